@@ -1,0 +1,1 @@
+"""Attention backends and sampling kernels. CUDA-only modules import lazily."""

@@ -1,0 +1,19 @@
+"""Attention backends: torch-native (any device) and FlashInfer (CUDA)."""
+
+from __future__ import annotations
+
+from kernels.attention.base import AttentionBackend
+
+
+def create_attention_backend(name: str, device: str, **kwargs: object) -> AttentionBackend:
+    """`name` is the resolved setting: "torch" or "flashinfer"."""
+    if name == "flashinfer":
+        from kernels.attention.flashinfer_backend import FlashInferBackend  # CUDA-only import
+
+        return FlashInferBackend(device=device, **kwargs)
+    from kernels.attention.torch_native import TorchNativeBackend
+
+    return TorchNativeBackend()
+
+
+__all__ = ["AttentionBackend", "create_attention_backend"]

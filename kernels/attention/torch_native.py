@@ -1,0 +1,94 @@
+"""Torch-native attention over the paged KV pool: the CPU path and the reference.
+
+Requests extending by one token (decodes, and the decode part of a MIXED batch)
+run as one padded SDPA call per layer; longer extends run one SDPA call each,
+causal with their cached prefix in front.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from runtime.forward_batch import ForwardBatch
+
+
+@dataclass(slots=True)
+class _DecodePlan:
+    token_idx: torch.Tensor  # [n] positions in the packed token layout
+    kv_idx: torch.Tensor  # [n, max_len] KV slots, padded
+    mask: torch.Tensor  # [n, 1, 1, max_len] True where a slot is attended
+
+
+@dataclass(slots=True)
+class _ExtendItem:
+    start: int  # first packed token
+    length: int  # new tokens
+    kv_idx: torch.Tensor  # [prefix + length] KV slots
+    mask: torch.Tensor | None  # [length, prefix + length]; None = plain causal
+
+
+class TorchNativeBackend:
+    def __init__(self) -> None:
+        self._decode: _DecodePlan | None = None
+        self._extends: list[_ExtendItem] = []
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        rows = fb.req_pool_indices
+        starts = [0]
+        for n in fb.extend_seq_lens_cpu:
+            starts.append(starts[-1] + n)
+        one = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n == 1]
+        many = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n > 1]
+        device = fb.input_ids.device
+
+        self._decode = None
+        if one:
+            sel = torch.tensor(one, dtype=torch.int64, device=device)
+            lens = fb.seq_lens[sel]
+            max_len = max(fb.seq_lens_cpu[i] for i in one)
+            kv_idx = fb.req_to_token[rows[sel], :max_len].to(torch.int64)
+            mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
+            kv_idx = kv_idx.masked_fill(~mask, 0)  # stale slots past seq_len -> the dummy slot
+            token_idx = torch.tensor([starts[i] for i in one], dtype=torch.int64, device=device)
+            self._decode = _DecodePlan(token_idx, kv_idx, mask[:, None, None, :])
+
+        self._extends = []
+        for i in many:
+            prefix, length = fb.extend_prefix_lens_cpu[i], fb.extend_seq_lens_cpu[i]
+            kv_idx = fb.req_to_token[rows[i], : prefix + length].to(torch.int64)
+            mask = None
+            if prefix:
+                q_pos = torch.arange(length, device=device)[:, None] + prefix
+                mask = torch.arange(prefix + length, device=device)[None, :] <= q_pos
+            self._extends.append(_ExtendItem(starts[i], length, kv_idx, mask))
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float, fb: ForwardBatch
+    ) -> torch.Tensor:
+        fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != k.shape[1]
+
+        for item in self._extends:
+            qi = q[item.start : item.start + item.length].transpose(0, 1)  # [Hq, L, D]
+            ki = k_buf[item.kv_idx].transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
+            vi = v_buf[item.kv_idx].transpose(0, 1).to(q.dtype)
+            oi = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=item.mask, is_causal=item.mask is None, scale=scaling, enable_gqa=gqa
+            )
+            out[item.start : item.start + item.length] = oi.transpose(0, 1)
+
+        plan = self._decode
+        if plan is not None:
+            qd = q[plan.token_idx][:, :, None, :]  # [n, Hq, 1, D]
+            kd = k_buf[plan.kv_idx].transpose(1, 2).to(q.dtype)  # [n, Hkv, S, D]
+            vd = v_buf[plan.kv_idx].transpose(1, 2).to(q.dtype)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.mask, scale=scaling, enable_gqa=gqa)
+            out[plan.token_idx] = od[:, :, 0, :]
+        return out

@@ -1,0 +1,1 @@
+"""Memory: request pool rows, KV slot allocator, KV pool, prefix caches."""
