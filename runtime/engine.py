@@ -1,0 +1,257 @@
+"""Engine: the offline and async API over the scheduler.
+
+The scheduler coroutine runs on one event loop: the server's (after `await
+engine.start()`), or a private loop in a daemon thread started by the first sync
+call. Callers on any loop get their outputs through a queue on their own loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from config.settings import EngineSettings
+from runtime import engine_setup
+from runtime.errors import InvalidRequest
+from runtime.req import Req
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Scheduler
+from runtime.scheduler_output import OutputProcessor
+
+Prompt = str | list[int]
+
+
+class Engine:
+    def __init__(self, settings: EngineSettings | None = None, **overrides: Any) -> None:
+        base = settings or EngineSettings()
+        if overrides:
+            import dataclasses
+
+            base = dataclasses.replace(base, **overrides)
+        self.settings, self.model_config, self.tokenizer, self.pools, self.runner, self.model_dir = engine_setup.build(base)
+        self.output = OutputProcessor(self.tokenizer)
+        self.scheduler = Scheduler(self.settings, self.pools, self.runner, self.output)
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-tokenize")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
+        self._seed_counter = 0
+
+    # ---- lifecycle ---------------------------------------------------------------
+    async def start(self) -> None:
+        """Run the scheduler on the current event loop."""
+        if self._loop is not None:
+            return
+        self.scheduler.bind_loop()
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self.scheduler.event_loop(), name="sluice-scheduler")
+
+    def _ensure_started(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            ready = threading.Event()
+            loop = asyncio.new_event_loop()
+
+            def run() -> None:
+                asyncio.set_event_loop(loop)
+                loop.run_until_complete(self.start())
+                ready.set()
+                loop.run_forever()
+
+            self._thread = threading.Thread(target=run, name="sluice-engine-loop", daemon=True)
+            self._thread.start()
+            ready.wait()
+        assert self._loop is not None
+        return self._loop
+
+    def _call_on_loop(self, fn: Any, *args: Any) -> None:
+        loop = self._ensure_started()
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            fn(*args)
+        else:
+            loop.call_soon_threadsafe(fn, *args)
+
+    def shutdown(self) -> None:
+        if self._loop is None:
+            return
+        self._call_on_loop(self.scheduler.stop)
+        if self._thread is not None:
+            asyncio.run_coroutine_threadsafe(self._await_task(), self._loop).result(timeout=60)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        self.scheduler.executor.shutdown(wait=False)
+        self._tokenize_pool.shutdown(wait=False)
+        self._loop = None
+
+    async def _await_task(self) -> None:
+        if self._task is not None:
+            await self._task
+
+    # ---- requests ---------------------------------------------------------------------
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def _make_req(self, ids: list[int], params: dict[str, Any] | None, rid: str, return_logprob: bool, top_logprobs_num: int) -> Req:
+        params = dict(params or {})
+        ctx = self.model_config.context_len
+        if not ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.model_config.vocab_size for t in ids):
+            raise InvalidRequest(f"token ids must be integers in [0, {self.model_config.vocab_size})", param="prompt")
+        if "max_new_tokens" not in params or params["max_new_tokens"] is None:
+            params["max_new_tokens"] = max(0, min(128, ctx - len(ids)))
+        sp = SamplingParams.from_dict(params)
+        if len(ids) + sp.max_new_tokens > ctx:
+            raise InvalidRequest(
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{len(ids) + sp.max_new_tokens} tokens ({len(ids)} in the prompt, {sp.max_new_tokens} for the completion).",
+                param="max_tokens",
+            )
+        if len(ids) + sp.max_new_tokens > self.pools.max_total_num_tokens - self.settings.page_size:
+            raise InvalidRequest(
+                f"prompt ({len(ids)}) + max_new_tokens ({sp.max_new_tokens}) exceeds the KV cache "
+                f"({self.pools.max_total_num_tokens} tokens)",
+                param="max_tokens",
+            )
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
+            raise InvalidRequest("top_logprobs_num must be an integer in [0, 20]", param="top_logprobs")
+        req = Req(rid, ids, sp, self.model_config.eos_token_ids, return_logprob or top_logprobs_num > 0, top_logprobs_num)
+        if sp.seed is not None and not sp.is_greedy:
+            req.generator = torch.Generator(device=self.runner.device).manual_seed(sp.seed)
+        return req
+
+    async def _submit(self, prompt: Prompt, params: Any, rid: str | None, stream: bool, return_logprob: bool, top_logprobs_num: int) -> tuple[Req, asyncio.Queue[dict[str, Any]]]:
+        caller = asyncio.get_running_loop()
+        engine_loop = self._ensure_started()
+        if isinstance(prompt, str):
+            ids = await caller.run_in_executor(self._tokenize_pool, self._tokenize, prompt)
+        elif isinstance(prompt, list):
+            ids = list(prompt)
+        else:
+            raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
+        req = self._make_req(ids, params, rid or uuid.uuid4().hex, return_logprob, top_logprobs_num)
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        if caller is engine_loop:
+            sink = queue.put_nowait
+        else:
+            def sink(chunk: dict[str, Any]) -> None:
+                caller.call_soon_threadsafe(queue.put_nowait, chunk)
+        self._call_on_loop(self._register, req, sink, stream)
+        return req, queue
+
+    def _register(self, req: Req, sink: Any, stream: bool) -> None:
+        if req.rid in self.scheduler.reqs_by_rid:
+            sink({"error": f"duplicate rid {req.rid}"})
+            return
+        self.output.register(req, sink, stream)
+        self.scheduler.add_request(req)
+
+    def async_generate(
+        self,
+        prompt: Prompt,
+        sampling_params: dict[str, Any] | None = None,
+        stream: bool = False,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> Awaitable[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
+        if stream:
+            return self._stream(prompt, sampling_params, rid, return_logprob, top_logprobs_num)
+        return self._generate_one(prompt, sampling_params, rid, return_logprob, top_logprobs_num)
+
+    async def _stream(self, prompt: Prompt, params: Any, rid: str | None, return_logprob: bool, top_k: int) -> AsyncIterator[dict[str, Any]]:
+        req, queue = await self._submit(prompt, params, rid, True, return_logprob, top_k)
+        finished = False
+        try:
+            while not finished:
+                chunk = await queue.get()
+                if "error" in chunk:
+                    raise InvalidRequest(chunk["error"], param="rid")
+                finished = chunk["meta_info"]["finish_reason"] is not None
+                yield chunk
+        finally:
+            if not finished:
+                self.abort(req.rid)
+
+    async def _generate_one(self, prompt: Prompt, params: Any, rid: str | None, return_logprob: bool, top_k: int) -> dict[str, Any]:
+        req, queue = await self._submit(prompt, params, rid, False, return_logprob, top_k)
+        try:
+            chunk = await queue.get()
+        except asyncio.CancelledError:
+            self.abort(req.rid)
+            raise
+        if "error" in chunk:
+            raise InvalidRequest(chunk["error"], param="rid")
+        return chunk
+
+    def generate(
+        self,
+        prompt: Prompt | list[str] | list[list[int]],
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        batched = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        prompts = prompt if batched else [prompt]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequest("sampling_params must match the number of prompts", param="sampling_params")
+        loop = self._ensure_started()
+
+        async def run_all() -> list[dict[str, Any]]:
+            return list(await asyncio.gather(*(self._generate_one(p, sp, None, return_logprob, top_logprobs_num) for p, sp in zip(prompts, params))))  # type: ignore[arg-type]
+
+        outs = asyncio.run_coroutine_threadsafe(run_all(), loop).result()
+        return outs if batched else outs[0]
+
+    def abort(self, rid: str) -> None:
+        self._call_on_loop(self.scheduler.abort, rid)
+
+    def abort_all(self) -> None:
+        self._call_on_loop(self.scheduler.abort, None)
+
+    # ---- cache and introspection ------------------------------------------------------------
+    def _flush(self) -> bool:
+        return self.scheduler.flush_cache()
+
+    async def async_flush_cache(self) -> bool:
+        loop = self._ensure_started()
+        if asyncio.get_running_loop() is loop:
+            return await self._async_flush()
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._async_flush(), loop))
+
+    async def _async_flush(self) -> bool:
+        # A request that just returned may still have its overlap step in flight:
+        # let the scheduler drain (bounded) before judging it busy.
+        if self.scheduler.is_idle():
+            try:
+                await asyncio.wait_for(self.scheduler.wait_idle(), timeout=5.0)
+            except TimeoutError:
+                pass
+        return self._flush()
+
+    def flush_cache(self) -> bool:
+        loop = self._ensure_started()
+        return asyncio.run_coroutine_threadsafe(self._async_flush(), loop).result()
+
+    @property
+    def num_waiting_reqs(self) -> int:
+        return len(self.scheduler.waiting_queue)
+
+    @property
+    def num_running_reqs(self) -> int:
+        return self.scheduler.num_running_reqs
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self.scheduler.server_info()

@@ -1,0 +1,127 @@
+"""Turns settings into a running stack: resolves the autos, loads the model, sizes
+the pools. Everything here runs once, at Engine construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+
+from config.settings import EngineSettings, SettingsError
+from kernels.attention import create_attention_backend
+from runtime.mem.allocator import TokenToKVPoolAllocator
+from runtime.mem.chunk_cache import ChunkCache
+from runtime.mem.kv_pool import KVPool
+from runtime.mem.radix_cache import RadixCache
+from runtime.mem.req_to_token_pool import ReqToTokenPool
+from runtime.model_config import ModelConfig
+from runtime.model_loader import load_model, prepare_model_dir, resolve_dtype
+from runtime.model_runner import ModelRunner
+
+log = structlog.get_logger("sluice.engine")
+
+CPU_KV_BUDGET_BYTES = 4 << 30  # default KV budget on CPU: min(this, a quarter of RAM)
+DEFAULT_MEM_FRACTION_STATIC = 0.88
+
+
+@dataclass(slots=True)
+class Pools:
+    req_to_token_pool: ReqToTokenPool
+    allocator: TokenToKVPoolAllocator
+    kv_pool: KVPool
+    tree_cache: RadixCache | ChunkCache
+    max_total_num_tokens: int
+
+
+def resolve_device(setting: str) -> str:
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise SettingsError("device=cuda but no CUDA device is available")
+    return setting
+
+
+def _cpu_ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 16 << 30
+
+
+def _kv_budget_bytes(settings: EngineSettings, device: str, weight_bytes: int) -> int:
+    if device == "cpu":
+        return min(CPU_KV_BUDGET_BYTES, _cpu_ram_bytes() // 4)
+    free, total = torch.cuda.mem_get_info()
+    fraction = settings.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+    # Weights are already resident: what is left of the static fraction is KV.
+    return max(int(total * fraction) - (total - free), 1 << 28)
+
+
+def resolve_settings(settings: EngineSettings, device: str, config: ModelConfig, weight_bytes: int) -> EngineSettings:
+    """Fill every auto knob with a number."""
+    per_token = KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, config.dtype)
+    max_total = settings.max_total_tokens or _kv_budget_bytes(settings, device, weight_bytes) // per_token
+    max_total = max_total - max_total % settings.page_size
+    if max_total < settings.page_size * 2:
+        raise SettingsError(f"max_total_tokens={max_total} is too small")
+    max_running = settings.max_running_requests or (256 if device == "cpu" else min(4096, max(max_total // 64, 256)))
+    chunk = settings.chunked_prefill_size
+    if chunk is None:
+        chunk = 1024 if device == "cpu" else (8192 if torch.cuda.get_device_properties(0).total_memory > (60 << 30) else 2048)
+    backend = settings.attention_backend
+    if backend == "auto":
+        backend = "flashinfer" if device == "cuda" else "torch"
+    cuda_graph_max_bs = settings.cuda_graph_max_bs or (min(max_running, 256) if device == "cuda" else None)
+    return dataclasses.replace(
+        settings,
+        device=device,
+        context_length=config.context_len,
+        max_total_tokens=max_total,
+        max_running_requests=max_running,
+        chunked_prefill_size=chunk,
+        attention_backend=backend,
+        cuda_graph_max_bs=cuda_graph_max_bs,
+        random_seed=settings.random_seed if settings.random_seed is not None else 0,
+    )
+
+
+def build(settings: EngineSettings) -> tuple[EngineSettings, ModelConfig, Any, Pools, ModelRunner, str]:
+    """Returns (resolved settings, model config, tokenizer, pools, runner, model dir)."""
+    from transformers import AutoTokenizer
+
+    device = resolve_device(settings.device)
+    if device == "cpu" and settings.num_threads:
+        torch.set_num_threads(settings.num_threads)
+    dtype = resolve_dtype(settings.dtype, device)
+    model_dir = prepare_model_dir(settings.model_path, settings.load_format)
+    config = ModelConfig.from_pretrained(model_dir, dtype, settings.context_length)
+    model = load_model(model_dir, config, settings.load_format, device, settings.random_seed)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    settings = resolve_settings(settings, device, config, weight_bytes)
+    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or model_dir)
+
+    assert settings.max_total_tokens and settings.max_running_requests
+    rows = settings.max_running_requests + 1  # one spare row: a retracting round may briefly need it
+    req_pool = ReqToTokenPool(rows, config.context_len)
+    allocator = TokenToKVPoolAllocator(settings.max_total_tokens, settings.page_size)
+    kv_pool = KVPool(settings.max_total_tokens + settings.page_size, config.num_layers, config.num_kv_heads, config.head_dim, dtype, device)
+    cache_cls = ChunkCache if settings.disable_radix_cache else RadixCache
+    tree_cache = cache_cls(req_pool, allocator, settings.page_size)
+    pools = Pools(req_pool, allocator, kv_pool, tree_cache, settings.max_total_tokens)
+    backend = create_attention_backend(settings.attention_backend, device)
+    runner = ModelRunner(model, kv_pool, backend, rows, config.context_len, config.vocab_size, device)
+    log.info(
+        "engine ready",
+        model=str(model_dir),
+        device=device,
+        dtype=str(dtype).removeprefix("torch."),
+        max_total_num_tokens=settings.max_total_tokens,
+        max_running_requests=settings.max_running_requests,
+        chunked_prefill_size=settings.chunked_prefill_size,
+        kv_gib=round(KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype) * settings.max_total_tokens / (1 << 30), 3),
+    )
+    return settings, config, tokenizer, pools, runner, str(model_dir)

@@ -1,0 +1,131 @@
+"""Req: one generation request as the scheduler sees it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.mem.radix_cache import TreeNode
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(slots=True)
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None
+    message: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type, "matched": self.matched}
+        if self.message:
+            out["message"] = self.message
+        return out
+
+
+class Req:
+    """State of one request across scheduling rounds.
+
+    `fill_ids` is what the next prefill covers (prompt + output so far, cut to a
+    chunk); `prefix_indices` are the KV slots of its cached prefix; the request's
+    row `req_pool_idx` holds slots for `[0, len(fill_ids))` once it has run.
+    """
+
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        priority: int = 0,
+    ) -> None:
+        self.rid = rid
+        self.origin_input_ids = input_ids
+        self.output_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.stop_token_ids = set(sampling_params.stop_token_ids)
+        if not sampling_params.ignore_eos:
+            self.stop_token_ids |= set(eos_token_ids)
+        self.return_logprob = return_logprob
+        self.top_logprobs_num = top_logprobs_num
+        self.priority = priority
+
+        # Scheduling state.
+        self.fill_ids: list[int] = []
+        self.prefix_indices: torch.Tensor = _EMPTY
+        self.extend_input_len = 0
+        self.last_node: TreeNode | None = None
+        self.req_pool_idx: int | None = None
+        self.is_chunked = 0  # >0 while the request is the scheduler's chunked_req
+        self.epoch = 0  # bumped on retraction: results of forwards launched before are stale
+        self.cached_tokens = 0  # prompt tokens that came from the radix cache (first prefill)
+        self.has_prefilled = False
+        self.to_abort = False
+        self.finished_reason: FinishReason | None = None
+        self.generator: torch.Generator | None = None
+
+        # Results.
+        self.output_token_logprobs: list[tuple[float, int]] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+
+        # Timing (time.monotonic seconds).
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    # ---- lengths -------------------------------------------------------------
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def init_next_round_input(self, tree_cache: Any | None = None) -> None:
+        """Recompute fill_ids; with a tree, re-match the longest cached prefix.
+
+        At least one token is always left to compute, so the forward yields logits.
+        """
+        self.fill_ids = self.origin_input_ids + self.output_ids
+        if tree_cache is not None:
+            self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[: len(self.fill_ids) - 1])
+        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    # ---- stop conditions ---------------------------------------------------------
+    def check_finished(self) -> None:
+        """Token-level stop conditions; stop strings are checked by the detokenizer."""
+        if self.finished():
+            return
+        if self.to_abort:
+            self.finished_reason = FinishReason("abort", message="aborted")
+            return
+        sp = self.sampling_params
+        n_out = len(self.output_ids)
+        if n_out >= sp.max_new_tokens:
+            self.finished_reason = FinishReason("length", sp.max_new_tokens)
+            return
+        if n_out == 0 or n_out < sp.min_new_tokens:
+            return
+        last = self.output_ids[-1]
+        if last in self.stop_token_ids:
+            self.finished_reason = FinishReason("stop", last)
+
+    def reset_for_retract(self) -> None:
+        self.prefix_indices = _EMPTY
+        self.last_node = None
+        self.extend_input_len = 0
+        self.req_pool_idx = None
+        self.epoch += 1
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"

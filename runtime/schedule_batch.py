@@ -1,0 +1,213 @@
+"""ScheduleBatch (the scheduler's batch) and ModelWorkerBatch (what a forward needs).
+
+ScheduleBatch lives on the scheduler side and manipulates the memory pools;
+`get_model_worker_batch` snapshots just what the worker needs, so the scheduler
+can go on mutating the ScheduleBatch while that forward runs (overlap).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from runtime.forward_batch import ForwardMode
+from runtime.req import Req
+from runtime.sampling_info import SamplingBatchInfo
+
+if TYPE_CHECKING:
+    from runtime.mem.allocator import TokenToKVPoolAllocator
+    from runtime.mem.req_to_token_pool import ReqToTokenPool
+    from runtime.future_map import FutureMap
+
+
+@dataclass(slots=True)
+class ModelWorkerBatch:
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64; negative ids are futures the worker resolves
+    out_cache_loc: torch.Tensor  # [T] int64
+    req_pool_indices: list[int]
+    seq_lens: list[int]
+    extend_prefix_lens: list[int]
+    extend_seq_lens: list[int]
+    # For each extending request, the slots of row[:prefix] to (re)write in the
+    # worker's req_to_token; None for requests that extend by one decode token.
+    prefix_slots: list[torch.Tensor | None]
+    sampling: SamplingBatchInfo
+    future_ids: torch.Tensor  # [bs] negative ids under which this batch's next tokens are stored
+    top_logprobs_nums: list[int]  # -1 = no logprobs for that request
+    return_logprob: bool = False
+
+
+@dataclass
+class ScheduleBatch:
+    reqs: list[Req]
+    req_to_token_pool: ReqToTokenPool
+    allocator: TokenToKVPoolAllocator
+    tree_cache: object
+    forward_mode: ForwardMode = ForwardMode.IDLE
+    # Per request, aligned with `reqs`.
+    seq_lens: list[int] = field(default_factory=list)
+    prefix_lens: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    input_ids: torch.Tensor | None = None
+    out_cache_loc: torch.Tensor | None = None
+    prefix_slots: list[torch.Tensor | None] = field(default_factory=list)
+    # Next-token placeholder of each request (a future id < 0), set at launch.
+    next_input: list[int] = field(default_factory=list)
+    chunked_req: Req | None = None
+    decoding_reqs: list[Req] = field(default_factory=list)  # decodes riding in a MIXED batch
+    batch_is_full: bool = False
+    epochs: list[int] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    # ---- memory -------------------------------------------------------------
+    def _evict_for(self, num_tokens: int) -> None:
+        short = num_tokens - self.allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)  # type: ignore[attr-defined]
+
+    def _alloc_extend(self, prefix_lens: list[int], extend_lens: list[int], rows: list[int]) -> torch.Tensor:
+        table = self.req_to_token_pool.req_to_token
+        last_locs = []
+        if self.allocator.page_size > 1:
+            last_locs = [int(table[r, p - 1]) if p > 0 else 0 for r, p in zip(rows, prefix_lens)]
+        self._evict_for(sum(extend_lens) + len(extend_lens) * self.allocator.page_size)
+        out = self.allocator.alloc_extend(prefix_lens, extend_lens, last_locs)
+        if out is None:
+            raise RuntimeError("KV pool exhausted during prefill; PrefillAdder budgets were violated")
+        return out
+
+    # ---- building forwards ---------------------------------------------------
+    def prepare_for_extend(self) -> None:
+        """Allocate rows and KV slots for each request's `fill_ids[prefix:]`."""
+        self.forward_mode = ForwardMode.EXTEND
+        pool = self.req_to_token_pool
+        for req in self.reqs:
+            if req.req_pool_idx is None:
+                row = pool.alloc()
+                if row is None:
+                    raise RuntimeError("request pool exhausted; PrefillAdder admitted too many requests")
+                req.req_pool_idx = row
+        rows = [r.req_pool_idx for r in self.reqs]
+        self.prefix_lens = [len(r.prefix_indices) for r in self.reqs]
+        self.extend_lens = [r.extend_input_len for r in self.reqs]
+        self.seq_lens = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
+        for req, row, p in zip(self.reqs, rows, self.prefix_lens):
+            if p:
+                pool.write(row, 0, req.prefix_indices)  # type: ignore[arg-type]
+        self.out_cache_loc = self._alloc_extend(self.prefix_lens, self.extend_lens, rows)  # type: ignore[arg-type]
+        start = 0
+        ids: list[int] = []
+        for req, row, p, n in zip(self.reqs, rows, self.prefix_lens, self.extend_lens):
+            pool.write(row, p, self.out_cache_loc[start : start + n])  # type: ignore[arg-type]
+            ids.extend(req.fill_ids[p : p + n])
+            start += n
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+        self.input_ids = torch.tensor(ids, dtype=torch.int64)
+        self.prefix_slots = [r.prefix_indices for r in self.reqs]
+
+    def mix_with_running(self, running: ScheduleBatch) -> None:
+        """Append running decodes as extend-length-1 requests (ForwardMode.MIXED)."""
+        running.prepare_for_decode()
+        self.forward_mode = ForwardMode.MIXED
+        self.decoding_reqs = list(running.reqs)
+        self.reqs = self.reqs + running.reqs
+        self.prefix_lens = self.prefix_lens + [s - 1 for s in running.seq_lens]
+        self.extend_lens = self.extend_lens + [1] * running.batch_size()
+        self.seq_lens = self.seq_lens + running.seq_lens
+        self.input_ids = torch.cat([self.input_ids, running.input_ids])  # type: ignore[list-item]
+        self.out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])  # type: ignore[list-item]
+        self.prefix_slots = self.prefix_slots + [None] * running.batch_size()
+
+    def decode_tokens_needed(self) -> int:
+        """KV slots the next decode step takes: a fresh page where the next token
+        starts one (the token at position seq_len)."""
+        p = self.allocator.page_size
+        return sum(p for s in self.seq_lens if s % p == 0)
+
+    def check_decode_mem(self) -> bool:
+        need = self.decode_tokens_needed()
+        if self.allocator.available_size() >= need:
+            return True
+        self._evict_for(need)
+        return self.allocator.available_size() >= need
+
+    def prepare_for_decode(self) -> None:
+        """One new token per request; its input is the request's future placeholder."""
+        self.forward_mode = ForwardMode.DECODE
+        pool = self.req_to_token_pool
+        rows = [r.req_pool_idx for r in self.reqs]
+        self._evict_for(self.decode_tokens_needed())
+        self.seq_lens = [s + 1 for s in self.seq_lens]
+        self.prefix_lens = [s - 1 for s in self.seq_lens]
+        self.extend_lens = [1] * len(self.reqs)
+        table = pool.req_to_token
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        pos_t = torch.tensor(self.seq_lens, dtype=torch.int64) - 1
+        last_locs = table[rows_t, pos_t - 1].tolist() if self.allocator.page_size > 1 else []
+        out = self.allocator.alloc_decode(self.seq_lens, last_locs)
+        if out is None:
+            raise RuntimeError("KV pool exhausted during decode; check_decode_mem should have retracted")
+        self.out_cache_loc = out
+        table[rows_t, pos_t] = out.to(torch.int32)
+        self.input_ids = torch.tensor(self.next_input, dtype=torch.int64)
+        self.prefix_slots = [None] * len(self.reqs)
+
+    # ---- set operations ----------------------------------------------------------
+    def filter_batch(self, keep: list[int]) -> None:
+        self.reqs = [self.reqs[i] for i in keep]
+        self.seq_lens = [self.seq_lens[i] for i in keep]
+        self.next_input = [self.next_input[i] for i in keep]
+
+    def merge_batch(self, other: ScheduleBatch) -> None:
+        self.reqs = self.reqs + other.reqs
+        self.seq_lens = self.seq_lens + other.seq_lens
+        self.next_input = self.next_input + other.next_input
+
+    def get_model_worker_batch(self, futures: FutureMap) -> ModelWorkerBatch:
+        bs = len(self.reqs)
+        future_ids = futures.alloc(bs)
+        self.next_input = future_ids.tolist()
+        self.epochs = [r.epoch for r in self.reqs]
+        tops = [(r.top_logprobs_num if r.return_logprob else -1) for r in self.reqs]
+        assert self.input_ids is not None and self.out_cache_loc is not None
+        return ModelWorkerBatch(
+            forward_mode=self.forward_mode,
+            input_ids=self.input_ids,
+            out_cache_loc=self.out_cache_loc,
+            req_pool_indices=[r.req_pool_idx for r in self.reqs],  # type: ignore[misc]
+            seq_lens=list(self.seq_lens),
+            extend_prefix_lens=list(self.prefix_lens),
+            extend_seq_lens=list(self.extend_lens),
+            prefix_slots=list(self.prefix_slots),
+            sampling=SamplingBatchInfo.from_reqs(self.reqs, self.forward_mode, self.prefix_slots),
+            future_ids=future_ids,
+            top_logprobs_nums=tops,
+            return_logprob=any(t >= 0 for t in tops),
+        )
+
+    def copy_for_result(self) -> ScheduleBatch:
+        """A shallow snapshot for process_batch_result while `self` keeps changing."""
+        return ScheduleBatch(
+            reqs=list(self.reqs),
+            req_to_token_pool=self.req_to_token_pool,
+            allocator=self.allocator,
+            tree_cache=self.tree_cache,
+            forward_mode=self.forward_mode,
+            seq_lens=list(self.seq_lens),
+            prefix_lens=list(self.prefix_lens),
+            extend_lens=list(self.extend_lens),
+            out_cache_loc=self.out_cache_loc,
+            chunked_req=self.chunked_req,
+            decoding_reqs=list(self.decoding_reqs),
+            epochs=list(self.epochs),
+        )
