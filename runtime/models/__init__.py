@@ -1,0 +1,1 @@
+"""Model definitions: our own torch implementations over the packed token layout."""
