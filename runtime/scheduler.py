@@ -288,8 +288,9 @@ class Scheduler:
             self.chunked_req = adder.new_chunked_req
         if self.chunked_req is not None:
             self.chunked_req.is_chunked += 1
+            self.stats["num_chunked_prefills"] += 1
         for r in can_run:
-            if not r.has_prefilled:
+            if r.first_scheduled_time is None:  # first prefill (not a later chunk or a re-prefill)
                 r.cached_tokens = len(r.prefix_indices)
 
         batch = ScheduleBatch(can_run, self.req_to_token_pool, self.allocator, self.tree_cache, chunked_req=self.chunked_req)
@@ -300,6 +301,7 @@ class Scheduler:
             if not self.running_batch.is_empty() and self.running_batch.check_decode_mem():
                 batch.mix_with_running(self.running_batch)
                 self.running_batch = self._empty_batch()
+                self.stats["num_mixed_batches"] += 1
         return batch
 
     def update_running_batch(self) -> ScheduleBatch | None:

@@ -1,0 +1,127 @@
+"""Shared fixtures: the default model, an HF transformers greedy oracle, engines."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from runtime.model_loader import prepare_model_dir
+
+LONG_TEXT = (
+    "The river rose slowly through the night, and by morning the low fields were under water. "
+    "Farmers moved their animals to the hills, children watched from the bridge, and the old "
+    "sluice gates, closed for the first time in twenty years, held back the flood while the town slept. "
+) * 3
+
+PROMPT_TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Hi",
+    "1, 2, 3, 4,",
+    LONG_TEXT + "What held back the flood?",
+]
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return prepare_model_dir(None, "auto")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer: Any) -> list[list[int]]:
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a haiku about the sea."}], tokenize=False, add_generation_prompt=True
+    )
+    texts = PROMPT_TEXTS + [chat]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+class HFOracle:
+    """Greedy decoding with HF transformers in float32, one sequence at a time."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self._cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    @torch.inference_mode()
+    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_new_tokens)
+        if key not in self._cache:
+            out = self.model(torch.tensor([prompt]), use_cache=True)
+            past, ids = out.past_key_values, []
+            for _ in range(max_new_tokens):
+                nxt = int(out.logits[0, -1].argmax())
+                ids.append(nxt)
+                out = self.model(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+            self._cache[key] = ids
+        return self._cache[key]
+
+    @torch.inference_mode()
+    def logprobs_after(self, ids: list[int]) -> torch.Tensor:
+        return torch.log_softmax(self.model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+
+
+@pytest.fixture(scope="session")
+def hf_oracle(model_dir: Path) -> HFOracle:
+    return HFOracle(model_dir)
+
+
+# A greedy token may legitimately differ from the oracle only where the top two
+# logprobs are within this (float32 reductions in another order).
+NEAR_TIE_LOGPROB = 1e-3
+
+
+def assert_greedy_equal(oracle: HFOracle, prompt: list[int], ours: list[int], max_new_tokens: int) -> None:
+    ref = oracle.greedy(prompt, max_new_tokens)
+    if ours == ref[: len(ours)] and len(ours) == len(ref):
+        return
+    j = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    assert j < min(len(ours), len(ref)), f"length differs: ours={len(ours)} ref={len(ref)}"
+    lp = oracle.logprobs_after(prompt + ours[:j])
+    gap = abs(float(lp[ours[j]] - lp[ref[j]]))
+    assert gap < NEAR_TIE_LOGPROB, f"token {j} differs: ours {ours[j]} vs HF {ref[j]} (logprob gap {gap:.2e})"
+
+
+def assert_all_memory_free(engine: Any) -> None:
+    """The invariant: once every request ended and the cache is flushed, every KV
+    slot and every request-pool row is free."""
+    assert engine.flush_cache(), "flush refused: requests still alive"
+    info = engine.get_server_info()
+    assert info["available_kv_tokens"] == info["max_total_num_tokens"], info
+    assert info["req_pool_free_rows"] == info["req_pool_size"], info
+
+
+ENGINE_DEFAULTS: dict[str, Any] = dict(dtype="float32", max_total_tokens=8192, max_running_requests=32)
+
+
+@pytest.fixture(scope="module")
+def make_engine() -> Iterator[Callable[..., Any]]:
+    from runtime import Engine
+
+    made: list[Any] = []
+
+    def make(**overrides: Any) -> Any:
+        engine = Engine(**{**ENGINE_DEFAULTS, **overrides})
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.shutdown()
+    made.clear()
+    gc.collect()

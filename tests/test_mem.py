@@ -1,0 +1,139 @@
+"""Allocator and radix cache: the structures the memory invariant rests on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.mem.allocator import TokenToKVPoolAllocator
+from runtime.mem.radix_cache import RadixCache
+from runtime.mem.req_to_token_pool import ReqToTokenPool
+from runtime.req import Req
+from runtime.sampling_params import SamplingParams
+
+
+def test_allocator_never_hands_out_the_dummy_slot_and_returns_everything() -> None:
+    alloc = TokenToKVPoolAllocator(size=32, page_size=1)
+    slots = alloc.alloc(32)
+    assert slots is not None and 0 not in slots.tolist() and len(set(slots.tolist())) == 32
+    assert alloc.alloc(1) is None
+    alloc.free(slots[:10])
+    assert alloc.available_size() == 10
+    alloc.free(slots[10:])
+    assert alloc.available_size() == 32
+
+
+def test_paged_allocator_continues_a_partial_page_then_takes_fresh_pages() -> None:
+    alloc = TokenToKVPoolAllocator(size=64, page_size=4)
+    first = alloc.alloc(6)  # one full page + 2 slots of a second page
+    assert first is not None
+    assert (first[:4] // 4).unique().numel() == 1 and first[0] % 4 == 0
+    more = alloc.alloc_extend(prefix_lens=[6], extend_lens=[5], last_locs=[int(first[-1])])
+    assert more is not None and more.numel() == 5
+    assert more[:2].tolist() == [int(first[-1]) + 1, int(first[-1]) + 2]  # fills the tail page
+    assert int(more[2]) % 4 == 0  # then a fresh page
+    assert alloc.available_size() == 64 - 4 * 3
+    dec = alloc.alloc_decode(seq_lens=[12], last_locs=[int(more[-1])])
+    assert dec is not None and int(dec[0]) == int(more[-1]) + 1
+    alloc.free(torch.cat([first, more, dec]))
+    assert alloc.available_size() == 64
+
+
+def test_double_free_is_caught() -> None:
+    alloc = TokenToKVPoolAllocator(size=8, page_size=1)
+    slots = alloc.alloc(8)
+    assert slots is not None
+    alloc.free(slots)
+    alloc.free(slots[:1])
+    with pytest.raises(AssertionError):
+        alloc.available_size()
+
+
+def _cache(page_size: int = 1, size: int = 256) -> RadixCache:
+    return RadixCache(ReqToTokenPool(8, 128), TokenToKVPoolAllocator(size, page_size), page_size)
+
+
+def _insert(cache: RadixCache, key: list[int]) -> torch.Tensor:
+    value = cache.allocator.alloc(len(key))
+    assert value is not None
+    prefix = cache.insert(key, value)
+    cache.allocator.free(value[:prefix])  # the caller's duplicate copies
+    return value
+
+
+def test_radix_match_splits_a_node_and_returns_the_same_slots() -> None:
+    cache = _cache()
+    value = _insert(cache, [1, 2, 3, 4, 5])
+    got, node = cache.match_prefix([1, 2, 3, 9])
+    assert got.tolist() == value[:3].tolist()
+    assert node.key == [1, 2, 3] and list(node.children.values())[0].key == [4, 5]
+    full, _ = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    assert full.tolist() == value.tolist()
+    assert cache.evictable_size() == 5
+
+
+def test_radix_insert_reports_the_shared_prefix_and_branches() -> None:
+    cache = _cache()
+    _insert(cache, [1, 2, 3, 4])
+    v = cache.allocator.alloc(5)
+    assert v is not None
+    assert cache.insert([1, 2, 3, 7, 8], v) == 3
+    assert cache.total_size() == 6  # 1,2,3 + 4 + 7,8
+    cache.allocator.free(v[:3])
+
+
+def test_locked_nodes_survive_eviction_and_lru_goes_first() -> None:
+    cache = _cache()
+    _insert(cache, [1, 2, 3])
+    _insert(cache, [7, 8, 9])
+    _, locked = cache.match_prefix([7, 8, 9])
+    cache.inc_lock_ref(locked)
+    assert cache.protected_size() == 3 and cache.evictable_size() == 3
+    before = cache.allocator.available_size()
+    assert cache.evict(100) == 3
+    assert cache.allocator.available_size() == before + 3
+    assert cache.match_prefix([1, 2, 3])[0].numel() == 0
+    assert cache.match_prefix([7, 8, 9])[0].numel() == 3
+    cache.dec_lock_ref(locked)
+    assert cache.evictable_size() == 3 and cache.protected_size() == 0
+    cache.evict(3)
+    assert cache.allocator.available_size() == 256
+
+
+def test_evicting_least_recently_used_leaf_first() -> None:
+    cache = _cache()
+    _insert(cache, [1, 1])
+    _insert(cache, [2, 2])
+    cache.match_prefix([1, 1])  # touch: [2, 2] is now the older leaf
+    cache.evict(1)
+    assert cache.match_prefix([1, 1])[0].numel() == 2
+    assert cache.match_prefix([2, 2])[0].numel() == 0
+
+
+def test_paged_radix_keys_are_page_aligned() -> None:
+    cache = _cache(page_size=4)
+    value = _insert(cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    got, _ = cache.match_prefix([1, 2, 3, 4, 5, 6, 9, 9])
+    assert got.tolist() == value[:4].tolist()  # a partial page never matches
+    got, _ = cache.match_prefix([1, 2, 3, 4, 5, 6, 7])
+    assert got.numel() == 4
+
+
+def test_cache_finished_req_donates_kv_and_frees_duplicates_and_row() -> None:
+    cache = _cache()
+    pool = cache.req_to_token_pool
+    existing = _insert(cache, [5, 6, 7])
+    req = Req("r", [5, 6, 7, 8], SamplingParams(max_new_tokens=4))
+    req.init_next_round_input(cache)
+    assert req.prefix_indices.tolist() == existing.tolist()
+    cache.inc_lock_ref(req.last_node)
+    req.req_pool_idx = pool.alloc()
+    own = cache.allocator.alloc(2)
+    assert own is not None
+    pool.write(req.req_pool_idx, 0, torch.cat([req.prefix_indices, own]))
+    req.output_ids = [9, 10]  # KV exists for 5,6,7,8,9 (the last output has none)
+    cache.cache_finished_req(req)
+    assert pool.available_size() == pool.size
+    assert cache.protected_size() == 0 and cache.total_size() == 5
+    cache.evict(cache.total_size())
+    assert cache.allocator.available_size() == 256
