@@ -146,6 +146,8 @@ class Engine:
             sink = queue.put_nowait
         else:
             def sink(chunk: dict[str, Any]) -> None:
+                if caller.is_closed():
+                    raise ConnectionAbortedError("the caller's event loop is gone")
                 caller.call_soon_threadsafe(queue.put_nowait, chunk)
         self._call_on_loop(self._register, req, sink, stream)
         return req, queue
@@ -240,6 +242,19 @@ class Engine:
             except TimeoutError:
                 pass
         return self._flush()
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Block until no request is alive and no forward is in flight."""
+        loop = self._ensure_started()
+
+        async def wait() -> None:
+            await asyncio.wait_for(self.scheduler.wait_idle(), timeout)
+
+        try:
+            asyncio.run_coroutine_threadsafe(wait(), loop).result()
+            return True
+        except TimeoutError:
+            return False
 
     def flush_cache(self) -> bool:
         loop = self._ensure_started()

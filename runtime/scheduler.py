@@ -166,7 +166,30 @@ class Scheduler:
 
     # ---- the loop ----------------------------------------------------------------
     async def event_loop(self) -> None:
-        pending: collections.deque[tuple[ScheduleBatch, Future[BatchResult]]] = collections.deque()
+        while not self._stopped:
+            pending: collections.deque[tuple[ScheduleBatch, Future[BatchResult]]] = collections.deque()
+            try:
+                await self._run_rounds(pending)
+            except Exception as exc:  # never leave callers hanging on a dead scheduler
+                log.exception("scheduler round failed; aborting every request", error=str(exc))
+                for _, fut in pending:
+                    if not fut.cancel():
+                        fut.exception()
+                self._fail_all(exc)
+
+    def _fail_all(self, exc: Exception) -> None:
+        reqs = list(self.reqs_by_rid.values())
+        self.waiting_queue, self.running_batch, self.chunked_req, self.last_batch = [], self._empty_batch(), None, None
+        self.req_to_token_pool.clear()
+        self.allocator.clear()
+        self.tree_cache.reset()
+        self.inflight = 0
+        for req in reqs:
+            req.finished_reason = FinishReason("abort", message=f"internal error: {exc}")
+            self._on_finished(req)
+            self.output.emit(req)
+
+    async def _run_rounds(self, pending: collections.deque[tuple[ScheduleBatch, Future[BatchResult]]]) -> None:
         while not self._stopped:
             batch = self.get_next_batch_to_run()
             if batch is not None:
@@ -383,7 +406,8 @@ class Scheduler:
                 req.first_token_time = time.monotonic()
             self.output.step(req)  # detokenize; may finish the request on a stop string
             if req.finished():
-                self.tree_cache.cache_finished_req(req)
+                # This forward wrote KV for positions < seq_len; later ones have none.
+                self.tree_cache.cache_finished_req(req, kv_len=batch.seq_lens[i])
                 self._on_finished(req)
             self.output.emit(req)
         self.stats["generation_tokens_total"] += num_tokens

@@ -76,8 +76,14 @@ class OutputProcessor:
         delta = detok.release(finished)
         if finished:
             req.finished_time = time.monotonic()
-            del self.sinks[req.rid], self.detoks[req.rid]
-        sink(self._chunk(req, detok.output_text, delta))
+            self.sinks.pop(req.rid, None)
+            self.detoks.pop(req.rid, None)
+        try:
+            sink(self._chunk(req, detok.output_text, delta))
+        except Exception:  # the consumer is gone: stop generating for it
+            if not finished:
+                req.to_abort = True
+                del self.sinks[req.rid]
 
     @staticmethod
     def _chunk(req: Req, text: str, delta: str) -> dict[str, Any]:

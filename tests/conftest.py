@@ -100,6 +100,7 @@ def assert_greedy_equal(oracle: HFOracle, prompt: list[int], ours: list[int], ma
 def assert_all_memory_free(engine: Any) -> None:
     """The invariant: once every request ended and the cache is flushed, every KV
     slot and every request-pool row is free."""
+    assert engine.wait_idle(timeout=30), "requests still alive 30 s after they should have ended"
     assert engine.flush_cache(), "flush refused: requests still alive"
     info = engine.get_server_info()
     assert info["available_kv_tokens"] == info["max_total_num_tokens"], info

@@ -132,7 +132,7 @@ def test_cache_finished_req_donates_kv_and_frees_duplicates_and_row() -> None:
     assert own is not None
     pool.write(req.req_pool_idx, 0, torch.cat([req.prefix_indices, own]))
     req.output_ids = [9, 10]  # KV exists for 5,6,7,8,9 (the last output has none)
-    cache.cache_finished_req(req)
+    cache.cache_finished_req(req, kv_len=5)
     assert pool.available_size() == pool.size
     assert cache.protected_size() == 0 and cache.total_size() == 5
     cache.evict(cache.total_size())

@@ -48,8 +48,7 @@ class ChunkCache:
     def dec_lock_ref(self, node: None) -> None:
         pass
 
-    def cache_finished_req(self, req: Req, kv_len: int | None = None) -> None:
-        kv_len = len(req.origin_input_ids) + len(req.output_ids) - 1 if kv_len is None else kv_len
+    def cache_finished_req(self, req: Req, kv_len: int) -> None:
         row = req.req_pool_idx
         assert row is not None
         self.allocator.free(self.req_to_token_pool.req_to_token[row, :kv_len].to(torch.int64))

@@ -169,13 +169,12 @@ class RadixCache:
         return out
 
     # ---- request-level operations -----------------------------------------
-    def cache_finished_req(self, req: Req, kv_len: int | None = None) -> None:
+    def cache_finished_req(self, req: Req, kv_len: int) -> None:
         """Donate a finished (or retracted) request's KV to the tree and release its row.
 
-        `kv_len` tokens of the request have KV; default: all but the last output token.
+        The first `kv_len` tokens of prompt + output have KV in the request's row.
         """
         tokens = req.origin_input_ids + req.output_ids
-        kv_len = len(tokens) - 1 if kv_len is None else kv_len
         row = req.req_pool_idx
         assert row is not None
         kv = self.req_to_token_pool.req_to_token[row, :kv_len].to(torch.int64)
