@@ -55,8 +55,10 @@ class OutputProcessor:
         self.sinks[req.rid] = (sink, stream)
 
     def step(self, req: Req) -> None:
+        """Check stop strings after a new token. Without stop strings nothing is
+        decoded here: text is only needed when a chunk is emitted."""
         detok = self.detoks.get(req.rid)
-        if detok is None:
+        if detok is None or not detok.stop:
             return
         detok.feed(req.output_ids)
         if detok.matched_stop is not None and not req.finished():
@@ -73,6 +75,7 @@ class OutputProcessor:
         if not (stream or finished):
             return
         detok = self.detoks[req.rid]
+        detok.feed(req.output_ids)
         delta = detok.release(finished)
         if finished:
             req.finished_time = time.monotonic()

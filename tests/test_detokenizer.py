@@ -1,0 +1,45 @@
+"""Incremental detokenization: never broken UTF-8, never leaked stop text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.detokenizer import IncrementalDetokenizer
+
+
+def _stream(tokenizer: Any, text: str, stop: list[str], prompt: str = "Say:") -> tuple[str, IncrementalDetokenizer]:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt, add_special_tokens=False), stop)
+    out = []
+    for i in range(1, len(ids) + 1):
+        detok.feed(ids[:i])
+        delta = detok.release(finished=False)
+        assert "\ufffd" not in delta
+        out.append(delta)
+        if detok.matched_stop:
+            break
+    out.append(detok.release(finished=True))
+    return "".join(out), detok
+
+
+def test_multibyte_characters_split_across_tokens_are_never_broken(tokenizer: Any) -> None:
+    text = "你好，世界 🌍🚀 naïve café — ok"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.split())  # the emoji and CJK really are split into byte tokens
+    streamed, _ = _stream(tokenizer, text, [])
+    assert streamed == tokenizer.decode(ids)
+
+
+def test_stop_string_spanning_tokens_is_cut_and_never_leaked(tokenizer: Any) -> None:
+    streamed, detok = _stream(tokenizer, "Hello world, stop here please and more", [" here please"])
+    assert streamed == "Hello world, stop"
+    assert detok.matched_stop == " here please"
+
+
+def test_a_possible_stop_prefix_is_held_back_until_it_resolves(tokenizer: Any) -> None:
+    ids = tokenizer.encode("The end is near, the end", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], ["the end."])
+    detok.feed(ids)
+    shown = detok.release(finished=False)
+    assert shown == "The end is near, "  # "the end" could still become "the end."
+    assert detok.release(finished=True) == "the end"
