@@ -49,7 +49,8 @@ class EngineSettings:
     max_running_requests: int | None = knob(None, "Rows of the request pool (max concurrently running requests).")
     max_total_tokens: int | None = knob(None, "KV pool size in tokens. Default on CPU: from a memory budget.")
     mem_fraction_static: float | None = knob(
-        None, "Fraction of GPU memory for weights + KV pool (CUDA only). Default: 0.88."
+        None, "Fraction of GPU memory for weights + KV pool (CUDA only). Default: from GPU memory, "
+        "leaving room for the largest prefill's activations and the CUDA graphs (SGLang's rule)."
     )
     page_size: int = knob(1, "Tokens per KV page; the radix cache matches in whole pages.")
     disable_radix_cache: bool = knob(False, "Use a plain chunk cache: no prefix sharing between requests.")
@@ -70,6 +71,7 @@ class EngineSettings:
     attention_backend: Literal["auto", "torch", "flashinfer"] = knob(
         "auto", "Attention kernels. auto = flashinfer on CUDA, torch on CPU."
     )
+    disable_cpu_kernels: bool = knob(False, "On CPU, use pure-torch decode attention instead of the compiled C++ kernel.")
     cuda_graph_max_bs: int | None = knob(None, "Largest decode batch captured in a CUDA graph (CUDA only).")
     disable_cuda_graph: bool = knob(False, "Run decode eagerly on CUDA.")
     tp_size: int = knob(1, "Tensor-parallel degree (only 1 is supported today).")

@@ -22,6 +22,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "page16-chunk32-no-radix": {"page_size": 16, "chunked_prefill_size": 32, "disable_radix_cache": True},
     "mixed-chunk16": {"enable_mixed_chunk": True, "chunked_prefill_size": 16},
     "no-overlap": {"disable_overlap_schedule": True},
+    "torch-decode-attention": {"disable_cpu_kernels": True, "page_size": 16},
     "no-overlap-chunk16-page16": {"disable_overlap_schedule": True, "chunked_prefill_size": 16, "page_size": 16},
     "lpm-page4": {"schedule_policy": "lpm", "page_size": 4},
 }

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kernels.attention.base import AttentionBackend
 
 
-def create_attention_backend(name: str, device: str, **kwargs: object) -> AttentionBackend:
+def create_attention_backend(name: str, device: str, use_cpu_kernel: bool = True, **kwargs: Any) -> AttentionBackend:
     """`name` is the resolved setting: "torch" or "flashinfer"."""
     if name == "flashinfer":
         from kernels.attention.flashinfer_backend import FlashInferBackend  # CUDA-only import
@@ -13,7 +15,7 @@ def create_attention_backend(name: str, device: str, **kwargs: object) -> Attent
         return FlashInferBackend(device=device, **kwargs)
     from kernels.attention.torch_native import TorchNativeBackend
 
-    return TorchNativeBackend()
+    return TorchNativeBackend(use_cpu_kernel=use_cpu_kernel and device == "cpu")
 
 
 __all__ = ["AttentionBackend", "create_attention_backend"]

@@ -22,6 +22,7 @@ class _DecodePlan:
     token_idx: torch.Tensor  # [n] positions in the packed token layout
     kv_idx: torch.Tensor  # [n, max_len] KV slots, padded
     mask: torch.Tensor  # [n, 1, 1, max_len] True where a slot is attended
+    lens: torch.Tensor  # [n] int64
 
 
 @dataclass(slots=True)
@@ -33,7 +34,13 @@ class _ExtendItem:
 
 
 class TorchNativeBackend:
-    def __init__(self) -> None:
+    def __init__(self, use_cpu_kernel: bool = False) -> None:
+        # The compiled CPU kernel reads KV in place; the torch path gathers it.
+        self._paged_decode = None
+        if use_cpu_kernel:
+            from kernels.cpu import load_paged_decode
+
+            self._paged_decode = load_paged_decode()
         self._decode: _DecodePlan | None = None
         self._extends: list[_ExtendItem] = []
 
@@ -55,7 +62,7 @@ class TorchNativeBackend:
             mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
             kv_idx = kv_idx.masked_fill(~mask, 0)  # stale slots past seq_len -> the dummy slot
             token_idx = torch.tensor([starts[i] for i in one], dtype=torch.int64, device=device)
-            self._decode = _DecodePlan(token_idx, kv_idx, mask[:, None, None, :])
+            self._decode = _DecodePlan(token_idx, kv_idx, mask[:, None, None, :], lens)
 
         self._extends = []
         for i in many:
@@ -85,7 +92,9 @@ class TorchNativeBackend:
             out[item.start : item.start + item.length] = oi.transpose(0, 1)
 
         plan = self._decode
-        if plan is not None:
+        if plan is not None and self._paged_decode is not None and q.device.type == "cpu":
+            out[plan.token_idx] = self._paged_decode(q[plan.token_idx], k_buf, v_buf, plan.kv_idx, plan.lens, scaling)
+        elif plan is not None:
             qd = q[plan.token_idx][:, :, None, :]  # [n, Hq, 1, D]
             kd = k_buf[plan.kv_idx].transpose(1, 2).to(q.dtype)  # [n, Hkv, S, D]
             vd = v_buf[plan.kv_idx].transpose(1, 2).to(q.dtype)
