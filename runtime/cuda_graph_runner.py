@@ -133,6 +133,8 @@ class CudaGraphRunner:
     def capture(self) -> None:
         """Capture every bucket, largest first (the smaller graphs reuse its pool)."""
         stream = (self.stream or torch.cuda.Stream(self.device)) if self.use_graphs else None
+        if stream is not None:  # the static buffers, pools and weights were made on the default stream
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         for bs in reversed(self.buckets):
             fb = self._static_batch(bs)
             self.static_batches[bs] = fb

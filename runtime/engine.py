@@ -88,8 +88,10 @@ class Engine:
             asyncio.run_coroutine_threadsafe(self._await_task(), self._loop).result(timeout=60)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+            self._loop.close()
         self.scheduler.executor.shutdown(wait=False)
         self._tokenize_pool.shutdown(wait=False)
+        self.runner.close()
         self._loop = None
 
     async def _await_task(self) -> None:

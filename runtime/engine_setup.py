@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 
 from config.settings import EngineSettings, SettingsError
 from kernels.attention import create_attention_backend
+from runtime.gpu_defaults import default_cuda_graph_max_bs, default_max_running_requests, gpu_memory_defaults, kv_pool_tokens
 from runtime.mem.allocator import TokenToKVPoolAllocator
 from runtime.mem.chunk_cache import ChunkCache
 from runtime.mem.kv_pool import KVPool
@@ -25,7 +27,6 @@ from runtime.model_runner import ModelRunner
 log = structlog.get_logger("sluice.engine")
 
 CPU_KV_BUDGET_BYTES = 4 << 30  # default KV budget on CPU: min(this, a quarter of RAM)
-DEFAULT_MEM_FRACTION_STATIC = 0.88
 
 
 @dataclass(slots=True)
@@ -52,30 +53,29 @@ def _cpu_ram_bytes() -> int:
         return 16 << 30
 
 
-def _kv_budget_bytes(settings: EngineSettings, device: str, weight_bytes: int) -> int:
-    if device == "cpu":
-        return min(CPU_KV_BUDGET_BYTES, _cpu_ram_bytes() // 4)
-    free, total = torch.cuda.mem_get_info()
-    fraction = settings.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
-    # Weights are already resident: what is left of the static fraction is KV.
-    return max(int(total * fraction) - (total - free), 1 << 28)
-
-
 def resolve_settings(settings: EngineSettings, device: str, config: ModelConfig, weight_bytes: int) -> EngineSettings:
-    """Fill every auto knob with a number."""
+    """Fill every auto knob with a number. On CUDA this runs with the weights resident."""
     per_token = KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, config.dtype)
-    max_total = settings.max_total_tokens or _kv_budget_bytes(settings, device, weight_bytes) // per_token
+    if device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        gpu = gpu_memory_defaults(
+            total, settings.chunked_prefill_size, settings.cuda_graph_max_bs, settings.mem_fraction_static, settings.max_prefill_tokens
+        )
+        max_total = settings.max_total_tokens or kv_pool_tokens(free, total, gpu.mem_fraction_static, per_token, settings.page_size)
+    else:
+        gpu = None
+        max_total = settings.max_total_tokens or min(CPU_KV_BUDGET_BYTES, _cpu_ram_bytes() // 4) // per_token
     max_total = max_total - max_total % settings.page_size
     if max_total < settings.page_size * 2:
         raise SettingsError(f"max_total_tokens={max_total} is too small")
-    max_running = settings.max_running_requests or (256 if device == "cpu" else min(4096, max(max_total // 64, 256)))
+    max_running = settings.max_running_requests or (default_max_running_requests(max_total, config.context_len) if gpu else 256)
     chunk = settings.chunked_prefill_size
     if chunk is None:
-        chunk = 1024 if device == "cpu" else (8192 if torch.cuda.get_device_properties(0).total_memory > (60 << 30) else 2048)
+        chunk = gpu.chunked_prefill_size if gpu else 1024
     backend = settings.attention_backend
     if backend == "auto":
         backend = "flashinfer" if device == "cuda" else "torch"
-    cuda_graph_max_bs = settings.cuda_graph_max_bs or (min(max_running, 256) if device == "cuda" else None)
+    cuda_graph_max_bs = settings.cuda_graph_max_bs or (default_cuda_graph_max_bs(gpu.cuda_graph_max_bs, max_running) if gpu else None)
     return dataclasses.replace(
         settings,
         device=device,
@@ -85,6 +85,7 @@ def resolve_settings(settings: EngineSettings, device: str, config: ModelConfig,
         chunked_prefill_size=chunk,
         attention_backend=backend,
         cuda_graph_max_bs=cuda_graph_max_bs,
+        mem_fraction_static=gpu.mem_fraction_static if gpu else settings.mem_fraction_static,
         random_seed=settings.random_seed if settings.random_seed is not None else 0,
     )
 
@@ -112,8 +113,19 @@ def build(settings: EngineSettings) -> tuple[EngineSettings, ModelConfig, Any, P
     cache_cls = ChunkCache if settings.disable_radix_cache else RadixCache
     tree_cache = cache_cls(req_pool, allocator, settings.page_size)
     pools = Pools(req_pool, allocator, kv_pool, tree_cache, settings.max_total_tokens)
-    backend = create_attention_backend(settings.attention_backend, device)
+    backend = create_attention_backend(
+        settings.attention_backend, device, use_cpu_kernel=not settings.disable_cpu_kernels,
+        num_qo_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        page_size=settings.page_size, dtype=dtype,
+    )  # fmt: skip
     runner = ModelRunner(model, kv_pool, backend, rows, config.context_len, config.vocab_size, device)
+    if device == "cuda" and settings.attention_backend == "flashinfer" and not settings.disable_cuda_graph and settings.cuda_graph_max_bs:
+        from runtime.cuda_graph_runner import CudaGraphRunner
+
+        start = time.monotonic()
+        runner.graph_runner = CudaGraphRunner(model, backend, kv_pool, runner.req_to_token, settings.cuda_graph_max_bs, stream=runner.stream)
+        runner.graph_runner.capture()
+        log.info("CUDA graphs captured", batch_sizes=runner.graph_runner.buckets, seconds=round(time.monotonic() - start, 1))
     log.info(
         "engine ready",
         model=str(model_dir),

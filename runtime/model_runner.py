@@ -4,10 +4,19 @@ Runs on the worker executor (one thread), so forwards execute strictly in launch
 order. It owns the worker's copy of req_to_token and applies each batch's writes
 before its forward; that ordering is what makes scheduler-side reuse of rows and
 slots safe while a forward is in flight.
+
+On CUDA the worker thread only launches: host inputs go up from pinned memory
+with non_blocking copies, the forward runs on the runner's own stream, and the
+sampled tokens come back by a non_blocking copy into pinned memory plus an event
+that a second thread waits on. So the worker can launch batch N+1 while batch N
+is still on the device; stream order keeps N+1 after N (its future token ids are
+resolved on the device).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -15,7 +24,7 @@ import torch
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.future_map import FutureMap
 from runtime.mem.kv_pool import KVPool
-from runtime.sampler import Sampler
+from runtime.sampler import SampleOutput, Sampler
 from runtime.schedule_batch import ModelWorkerBatch
 from runtime.scheduler_output import BatchResult
 
@@ -38,9 +47,32 @@ class ModelRunner:
         self.req_to_token = torch.zeros((num_rows, context_len), dtype=torch.int32, device=self.device)
         self.sampler = Sampler(num_rows, vocab_size, self.device)
         self.futures: FutureMap | None = None
+        self.graph_runner: Any = None  # runtime.cuda_graph_runner.CudaGraphRunner, set by engine_setup
+        self.stream: torch.cuda.Stream | None = None
+        self._d2h: ThreadPoolExecutor | None = None
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device)
+            self._d2h = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-d2h")
+
+    def close(self) -> None:
+        if self._d2h is not None:
+            self._d2h.shutdown(wait=False)
 
     def attach_future_map(self, futures: FutureMap) -> None:
         self.futures = futures
+        if self.stream is not None:  # the last setup step: order the forward stream after it all
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _upload(self, values: list[int] | torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """Host values -> device tensor without a host sync on CUDA (pinned + non_blocking;
+        a pageable H2D copy would wait for the whole stream)."""
+        t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _uses_graph(self, fb: ForwardBatch) -> bool:
+        return self.graph_runner is not None and self.graph_runner.can_run(fb)
 
     def _write_req_to_token(self, mwb: ModelWorkerBatch, out_cache_loc: torch.Tensor) -> None:
         table, start = self.req_to_token, 0
@@ -53,36 +85,34 @@ class ModelRunner:
                 decode_tok.append(start)
             else:
                 if p:
-                    table[row, :p] = slots.to(self.device, torch.int32)
+                    table[row, :p] = self._upload(slots, torch.int32)
                 table[row, p : p + n] = out_cache_loc[start : start + n].to(torch.int32)
             start += n
         if decode_rows:
-            dev = self.device
-            table[torch.tensor(decode_rows, device=dev), torch.tensor(decode_pos, device=dev)] = out_cache_loc[
-                torch.tensor(decode_tok, device=dev)
-            ].to(torch.int32)
+            table[self._upload(decode_rows), self._upload(decode_pos)] = out_cache_loc[self._upload(decode_tok)].to(torch.int32)
 
     def build_forward_batch(self, mwb: ModelWorkerBatch) -> ForwardBatch:
         dev = self.device
         assert self.futures is not None
-        input_ids = self.futures.resolve(mwb.input_ids.to(dev, non_blocking=True))
-        out_cache_loc = mwb.out_cache_loc.to(dev, non_blocking=True)
+        input_ids = self.futures.resolve(self._upload(mwb.input_ids))
+        out_cache_loc = self._upload(mwb.out_cache_loc)
         self._write_req_to_token(mwb, out_cache_loc)
-        prefix = torch.tensor(mwb.extend_prefix_lens, dtype=torch.int64, device=dev)
-        ext = torch.tensor(mwb.extend_seq_lens, dtype=torch.int64, device=dev)
+        prefix = self._upload(mwb.extend_prefix_lens)
+        ext = self._upload(mwb.extend_seq_lens)
         if mwb.forward_mode.is_decode():
             positions = prefix
         else:
             starts = torch.cumsum(ext, 0) - ext
-            positions = torch.arange(int(sum(mwb.extend_seq_lens)), device=dev) + torch.repeat_interleave(prefix - starts, ext)
+            total = int(sum(mwb.extend_seq_lens))  # output_size: no device->host sync
+            positions = torch.arange(total, device=dev) + torch.repeat_interleave(prefix - starts, ext, output_size=total)
         fb = ForwardBatch(
             forward_mode=mwb.forward_mode,
             batch_size=len(mwb.req_pool_indices),
             input_ids=input_ids,
             positions=positions,
             out_cache_loc=out_cache_loc,
-            req_pool_indices=torch.tensor(mwb.req_pool_indices, dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(mwb.seq_lens, dtype=torch.int64, device=dev),
+            req_pool_indices=self._upload(mwb.req_pool_indices),
+            seq_lens=self._upload(mwb.seq_lens),
             extend_prefix_lens=prefix,
             extend_seq_lens=ext,
             seq_lens_cpu=mwb.seq_lens,
@@ -92,11 +122,14 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
         )
-        self.attn_backend.init_forward_metadata(fb)
+        if not self._uses_graph(fb):  # a graph replay plans its own bucket
+            self.attn_backend.init_forward_metadata(fb)
         return fb
 
     @torch.inference_mode()
     def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:
+        if self._uses_graph(fb):
+            return self.graph_runner.replay(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
         if fb.forward_mode.is_decode():
             last = hidden
@@ -104,20 +137,77 @@ class ModelRunner:
             last = hidden[torch.cumsum(fb.extend_seq_lens, 0) - 1]
         return self.model.compute_logits(last)
 
-    @torch.inference_mode()
-    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> BatchResult:
+    def _forward(self, mwb: ModelWorkerBatch) -> SampleOutput:
         fb = self.build_forward_batch(mwb)
         logits = self.forward_logits(fb)
-        out = self.sampler(logits, mwb.sampling, mwb.top_logprobs_nums)
+        sampling = mwb.sampling
+        if self.device.type == "cuda":  # the sampler's .to(device) calls become no-ops
+            up = lambda t: self._upload(t, t.dtype)  # noqa: E731
+            sampling = dataclasses.replace(
+                sampling, temperatures=up(sampling.temperatures), top_ps=up(sampling.top_ps), top_ks=up(sampling.top_ks),
+                min_ps=up(sampling.min_ps), frequency=up(sampling.frequency), presence=up(sampling.presence),
+                repetition=up(sampling.repetition), min_new_tokens=up(sampling.min_new_tokens),
+            )  # fmt: skip
+        out = self.sampler(logits, sampling, mwb.top_logprobs_nums)
         assert self.futures is not None
-        self.futures.store(mwb.future_ids, out.next_token_ids)
-        # The one host sync of a step: the scheduler needs the tokens as ints.
+        self.futures.store(self._upload(mwb.future_ids), out.next_token_ids)
+        return out
+
+    @staticmethod
+    def _to_result(out: SampleOutput) -> BatchResult:
+        # The one host sync of a step (on CUDA: of the pinned copies, after their event).
         return BatchResult(
             next_token_ids=out.next_token_ids.tolist(),
             token_logprobs=None if out.token_logprobs is None else out.token_logprobs.tolist(),
             top_logprobs=None if out.top_logprobs is None else out.top_logprobs.tolist(),
             top_ids=None if out.top_ids is None else out.top_ids.tolist(),
         )
+
+    @torch.inference_mode()
+    def _launch_on_stream(self, mwb: ModelWorkerBatch) -> tuple[torch.cuda.Event, SampleOutput]:
+        """Enqueue the forward, sampling and the copies back; returns without waiting."""
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            out = self._forward(mwb)
+            host = SampleOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in out))  # pinned
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done, host
+
+    @torch.inference_mode()
+    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> BatchResult:
+        """Run one batch and wait for its tokens."""
+        if self.stream is None:
+            return self._to_result(self._forward(mwb))
+        done, host = self._launch_on_stream(mwb)
+        done.synchronize()
+        return self._to_result(host)
+
+    def launch(self, executor: Executor, mwb: ModelWorkerBatch) -> Future[BatchResult]:
+        """The scheduler's entry point. On CUDA the worker thread is free again once
+        the batch is enqueued; the d2h thread completes the future when its copies land."""
+        if self.stream is None or self._d2h is None:
+            return executor.submit(self.forward_batch_generation, mwb)
+        result: Future[BatchResult] = Future()
+        d2h = self._d2h
+
+        def finish(done: torch.cuda.Event, host: SampleOutput) -> None:
+            try:
+                done.synchronize()
+                result.set_result(self._to_result(host))
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting scheduler
+                result.set_exception(e)
+
+        def run() -> None:
+            if not result.set_running_or_notify_cancel():  # the scheduler gave up on it
+                return
+            try:
+                d2h.submit(finish, *self._launch_on_stream(mwb))
+            except BaseException as e:  # noqa: BLE001
+                result.set_exception(e)
+
+        executor.submit(run)
+        return result
 
 
 __all__ = ["ModelRunner", "ForwardMode"]

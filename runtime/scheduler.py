@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -24,6 +23,7 @@ from runtime.req import FinishReason, Req
 from runtime.schedule_batch import ScheduleBatch
 from runtime.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from runtime.scheduler_output import BatchResult, OutputProcessor
+from runtime.scheduler_stats import SchedulerStats
 
 log = structlog.get_logger("sluice.scheduler")
 
@@ -72,9 +72,7 @@ class Scheduler:
         self._stopped = False
         self.inflight = 0  # forwards launched but not yet processed
         self._idle = asyncio.Event()
-        self.stats = collections.Counter()  # num_retracted_reqs_total, decode steps, ...
-        self._decode_steps = 0
-        self._last_log = (time.monotonic(), 0)
+        self.stats = SchedulerStats(settings.decode_log_interval)
 
     def _empty_batch(self) -> ScheduleBatch:
         return ScheduleBatch([], self.req_to_token_pool, self.allocator, self.tree_cache)
@@ -141,28 +139,7 @@ class Scheduler:
         return True
 
     def server_info(self) -> dict[str, Any]:
-        available = self.allocator.available_size()
-        evictable = self.tree_cache.evictable_size()
-        return {
-            "max_total_num_tokens": self.max_total_num_tokens,
-            "available_kv_tokens": available,
-            "evictable_kv_tokens": evictable,
-            "num_running_reqs": self.num_running_reqs,
-            "num_waiting_reqs": len(self.waiting_queue),
-            "token_usage": self.token_usage(),
-            "cache_hit_rate": self.stats["cached_tokens_total"] / max(self.stats["prompt_tokens_total"], 1),
-            "gen_throughput": self.gen_throughput,
-            "num_retracted_reqs_total": self.stats["num_retracted_reqs_total"],
-            "num_requests_total": self.stats["num_requests_total"],
-            "prompt_tokens_total": self.stats["prompt_tokens_total"],
-            "generation_tokens_total": self.stats["generation_tokens_total"],
-            "cached_tokens_total": self.stats["cached_tokens_total"],
-            "num_aborted_requests_total": self.stats["num_aborted_requests_total"],
-            "req_pool_free_rows": self.req_to_token_pool.available_size(),
-            "req_pool_size": self.req_to_token_pool.size,
-            "max_running_requests": self.max_running_requests,
-            "context_len": self.req_to_token_pool.context_len,
-        }
+        return self.stats.server_info(self)
 
     # ---- the loop ----------------------------------------------------------------
     async def event_loop(self) -> None:
@@ -222,7 +199,9 @@ class Scheduler:
 
     def _launch(self, batch: ScheduleBatch) -> tuple[ScheduleBatch, Future[BatchResult]]:
         mwb = batch.get_model_worker_batch(self.futures)
-        return batch.copy_for_result(), self.executor.submit(self.runner.forward_batch_generation, mwb)
+        launch = getattr(self.runner, "launch", None)  # ModelRunner.launch; bench stubs only forward
+        fut = launch(self.executor, mwb) if launch else self.executor.submit(self.runner.forward_batch_generation, mwb)
+        return batch.copy_for_result(), fut
 
     # ---- building batches ------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
@@ -311,20 +290,20 @@ class Scheduler:
             self.chunked_req = adder.new_chunked_req
         if self.chunked_req is not None:
             self.chunked_req.is_chunked += 1
-            self.stats["num_chunked_prefills"] += 1
+            self.stats.add("num_chunked_prefills")
         for r in can_run:
             if r.first_scheduled_time is None:  # first prefill (not a later chunk or a re-prefill)
                 r.cached_tokens = len(r.prefix_indices)
 
         batch = ScheduleBatch(can_run, self.req_to_token_pool, self.allocator, self.tree_cache, chunked_req=self.chunked_req)
         batch.prepare_for_extend()
-        self._log_prefill(adder, running_bs)
+        self.stats.log_prefill(self, len(can_run), adder.log_input_tokens, adder.log_hit_tokens, running_bs)
         if mixed:
             self.running_batch.filter_batch([i for i, r in enumerate(running.reqs) if not r.finished()])
             if not self.running_batch.is_empty() and self.running_batch.check_decode_mem():
                 batch.mix_with_running(self.running_batch)
                 self.running_batch = self._empty_batch()
-                self.stats["num_mixed_batches"] += 1
+                self.stats.add("num_mixed_batches")
         return batch
 
     def update_running_batch(self) -> ScheduleBatch | None:
@@ -341,9 +320,7 @@ class Scheduler:
         if batch.is_empty():
             return None
         batch.prepare_for_decode()
-        self._decode_steps += 1
-        if self._decode_steps % self.settings.decode_log_interval == 0:
-            self._log_decode()
+        self.stats.on_decode_step(self)
         return batch
 
     def retract_decode(self, batch: ScheduleBatch) -> None:
@@ -369,7 +346,7 @@ class Scheduler:
             batch.filter_batch(keep)
             order = [j - (j > i) for j in order]
         self.waiting_queue[:0] = retracted
-        self.stats["num_retracted_reqs_total"] += len(retracted)
+        self.stats.add("num_retracted_reqs_total", len(retracted))
         batch.batch_is_full = False
         log.info("Retract requests.", retracted=len(retracted), running=batch.batch_size(), new_token_ratio=self.new_token_ratio)
 
@@ -410,43 +387,11 @@ class Scheduler:
                 self.tree_cache.cache_finished_req(req, kv_len=batch.seq_lens[i])
                 self._on_finished(req)
             self.output.emit(req)
-        self.stats["generation_tokens_total"] += num_tokens
+        self.stats.add("generation_tokens_total", num_tokens)
 
     def _on_finished(self, req: Req) -> None:
         self.reqs_by_rid.pop(req.rid, None)
-        self.stats["num_requests_total"] += 1
-        self.stats["prompt_tokens_total"] += len(req.origin_input_ids)
-        self.stats["cached_tokens_total"] += req.cached_tokens
-        if req.finished_reason is not None and req.finished_reason.type == "abort":
-            self.stats["num_aborted_requests_total"] += 1
+        self.stats.on_finished(req)
 
-    # ---- logging ------------------------------------------------------------------------
     def token_usage(self) -> float:
-        used = self.max_total_num_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
-        return used / self.max_total_num_tokens
-
-    def _log_prefill(self, adder: PrefillAdder, running_bs: int) -> None:
-        log.info(
-            f"Prefill batch. #new-seq: {len(adder.can_run_list)}, #new-token: {adder.log_input_tokens}, "
-            f"#cached-token: {adder.log_hit_tokens}, token usage: {self.token_usage():.2f}, "
-            f"#running-req: {running_bs}, #queue-req: {len(self.waiting_queue)}"
-        )
-
-    def _log_decode(self) -> None:
-        now, steps = time.monotonic(), self._decode_steps
-        last_t, _ = self._last_log
-        gen = self.stats["generation_tokens_total"]
-        last_gen = self.stats["_last_logged_gen_tokens"]
-        throughput = (gen - last_gen) / max(now - last_t, 1e-6)
-        self._last_log = (now, steps)
-        self.stats["_last_logged_gen_tokens"] = gen
-        self.gen_throughput = throughput
-        log.info(
-            f"Decode batch. #running-req: {self.running_batch.batch_size()}, "
-            f"#token: {self.max_total_num_tokens - self.allocator.available_size()}, "
-            f"token usage: {self.token_usage():.2f}, gen throughput (token/s): {throughput:.2f}, "
-            f"#queue-req: {len(self.waiting_queue)}"
-        )
-
-    gen_throughput: float = 0.0
-    on_idle: Callable[[], None] | None = None
+        return self.stats.token_usage(self)
