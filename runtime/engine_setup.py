@@ -73,8 +73,8 @@ def resolve_settings(settings: EngineSettings, device: str, config: ModelConfig,
     if chunk is None:
         chunk = gpu.chunked_prefill_size if gpu else 1024
     backend = settings.attention_backend
-    if backend == "auto":
-        backend = "flashinfer" if device == "cuda" else "torch"
+    if backend == "auto":  # FlashInfer kernels take fp16/bf16 only
+        backend = "flashinfer" if device == "cuda" and config.dtype != torch.float32 else "torch"
     cuda_graph_max_bs = settings.cuda_graph_max_bs or (default_cuda_graph_max_bs(gpu.cuda_graph_max_bs, max_running) if gpu else None)
     return dataclasses.replace(
         settings,
