@@ -1,0 +1,77 @@
+"""The `sluice` console script: `sluice serve [flags]` and `sluice bench ...`.
+
+`serve` takes exactly the flags `config.cli.build_serve_parser` generates from the
+settings schema (SGLang's names). `bench` is registered by `bench.cli` when that
+package is present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from config import SettingsError
+from config.cli import build_serve_parser, settings_from_args
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from app.logs import configure_logging
+    from app.server import run
+
+    try:
+        engine_settings, server_settings = settings_from_args(ns)
+    except (SettingsError, OSError, ValueError) as exc:
+        print(f"sluice serve: error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(server_settings.log_level)
+    try:
+        return run(engine_settings, server_settings)
+    except OSError as exc:  # e.g. the port is taken: fail before loading anything
+        print(f"sluice serve: error: cannot listen on {server_settings.host}:{server_settings.port}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _bench_unavailable(reason: str) -> Callable[[argparse.Namespace], int]:
+    def run(ns: argparse.Namespace) -> int:
+        print(f"sluice bench: unavailable ({reason})", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`bench` comes from bench.cli; a missing or broken bench never breaks `serve`."""
+    try:
+        from bench.cli import register
+
+        register(subparsers)
+        return
+    except ImportError as exc:
+        reason = f"the bench package is not installed in this build: {exc}"
+    except Exception as exc:  # noqa: BLE001 - a broken tool module must not take `serve` down
+        reason = f"bench failed to load: {type(exc).__name__}: {exc}"
+    bench = subparsers.choices.get("bench") or subparsers.add_parser("bench", help="Benchmarks (unavailable).")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_bench_unavailable(reason))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description="sluice: an LLM inference server.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{serve,bench}")
+    serve = subparsers.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.")
+    build_serve_parser(serve)
+    serve.set_defaults(func=_serve)
+    _add_bench(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    func = ns.func
+    return int(func(ns) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
