@@ -101,7 +101,7 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)  # with the model's BOS, as HF/vLLM/SGLang do
         return list(prompt)
 
     def _make_req(self, ids: list[int], params: dict[str, Any] | None, rid: str, return_logprob: bool, top_logprobs_num: int) -> Req:

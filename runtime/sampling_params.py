@@ -7,7 +7,8 @@ from typing import Any
 
 from runtime.errors import InvalidRequest
 
-CLIP_MAX_NEW_TOKENS = 4096  # caps the decode budget one request reserves in PrefillAdder
+CLIP_MAX_NEW_TOKENS = 4096
+INT32_MAX = 2**31 - 1  # caps the decode budget one request reserves in PrefillAdder
 
 
 @dataclass(slots=True)
@@ -71,8 +72,8 @@ class SamplingParams:
             raise bad("temperature", "must be in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if self.top_k == 0 or self.top_k < -1:
-            raise bad("top_k", "must be -1 (off) or >= 1")
+        if self.top_k == 0 or self.top_k < -1 or self.top_k > INT32_MAX:
+            raise bad("top_k", f"must be -1 (off) or in [1, {INT32_MAX}]")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -83,11 +84,13 @@ class SamplingParams:
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed", "must be an integer")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63
+        ):
+            raise bad("seed", "must be an integer in [0, 2**63)")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a boolean")

@@ -151,6 +151,8 @@ def test_abort_of_waiting_and_running_requests_frees_everything(make_engine: Any
         ([10**9], {}, "prompt"),
         (PROMPT, {"temperature": -1}, "temperature"),
         (PROMPT, {"top_p": 0}, "top_p"),
+        (PROMPT, {"top_k": 2**63}, "top_k"),
+        (PROMPT, {"seed": -1}, "seed"),
         (PROMPT, {"max_new_tokens": 10**6}, "max_tokens"),
         (PROMPT, {"stop": [""]}, "stop"),
         (PROMPT, {"bogus": 1}, "bogus"),
