@@ -35,10 +35,13 @@ static void decode_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at
       // Pass 1: scores q.k for every position (each K row read once).
       for (int64_t t = 0; t < len; ++t) {
         const T* krow = kp + (idx[t] * Hkv + h) * D;
+#pragma omp simd
         for (int64_t d = 0; d < D; ++d) kf[d] = static_cast<float>(krow[d]);
         for (int64_t g = 0; g < G; ++g) {
           float s = 0.f;
           const float* qg = qf.data() + g * D;
+          // Without the simd reduction the compiler keeps one serial FMA chain.
+#pragma omp simd reduction(+ : s)
           for (int64_t d = 0; d < D; ++d) s += qg[d] * kf[d];
           scores[g * len + t] = s;
         }
@@ -61,6 +64,7 @@ static void decode_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * len + t];
           float* ag = acc.data() + g * D;
+#pragma omp simd
           for (int64_t d = 0; d < D; ++d) ag[d] += p * kf[d];
         }
       }
