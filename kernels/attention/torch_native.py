@@ -83,13 +83,15 @@ class TorchNativeBackend:
         gqa = q.shape[1] != k.shape[1]
 
         for item in self._extends:
-            qi = q[item.start : item.start + item.length].transpose(0, 1)  # [Hq, L, D]
-            ki = k_buf[item.kv_idx].transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
-            vi = v_buf[item.kv_idx].transpose(0, 1).to(q.dtype)
+            # 4-D inputs: SDPA's CPU flash kernel takes [B, H, L, D]; 3-D ones fall
+            # back to the unfused math path (measured 2x slower prefill).
+            qi = q[item.start : item.start + item.length].transpose(0, 1)[None]  # [1, Hq, L, D]
+            ki = k_buf[item.kv_idx].transpose(0, 1).to(q.dtype)[None]  # [1, Hkv, S, D]
+            vi = v_buf[item.kv_idx].transpose(0, 1).to(q.dtype)[None]
             oi = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=item.mask, is_causal=item.mask is None, scale=scaling, enable_gqa=gqa
             )
-            out[item.start : item.start + item.length] = oi.transpose(0, 1)
+            out[item.start : item.start + item.length] = oi[0].transpose(0, 1)
 
         plan = self._decode
         if plan is not None and self._paged_decode is not None and q.device.type == "cpu":
