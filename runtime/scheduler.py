@@ -223,9 +223,19 @@ class Scheduler:
                 self.running_batch.forward_mode = ForwardMode.DECODE
             self.last_batch = None
 
-        new_batch = self.get_new_batch_prefill()
-        if new_batch is not None:
-            return new_batch
+        # Between two chunks of a long prompt, running requests get a decode round
+        # (unless they ride along in mixed batches): streams keep flowing.
+        chunk_waits = (
+            self.chunked_req is not None
+            and last is not None
+            and last.forward_mode.is_extend()
+            and not self.settings.enable_mixed_chunk
+            and not self.running_batch.is_empty()
+        )
+        if not chunk_waits:
+            new_batch = self.get_new_batch_prefill()
+            if new_batch is not None:
+                return new_batch
         return self.update_running_batch()
 
     def _finish_aborted_chunked_req(self) -> None:
