@@ -1,0 +1,60 @@
+"""`sluice bench <tool>`: registered into the `sluice` command by app/cli.py.
+
+app/cli.py calls `register(subparsers)` while building its parser on every
+invocation (`sluice serve` included), so this module and the tool modules'
+top levels import nothing heavy (no torch, no transformers, no httpx); each
+tool imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+# name -> (module, help line)
+TOOLS: dict[str, tuple[str, str]] = {
+    "serving": ("bench.serving", "HTTP client against a running server: TTFT, TPOT, ITL, E2E, throughput."),
+    "offline": ("bench.offline", "The datasets through the in-process Engine (optionally vs HF transformers)."),
+    "one-batch": ("bench.one_batch", "One static batch: prefill latency, decode step latency."),
+    "scheduler-overhead": ("bench.scheduler_overhead", "The real Scheduler with a stub forward: CPU time per round."),
+    "chunked-itl": ("bench.chunked_itl", "Inter-token latency of running streams while a long prompt arrives."),
+}
+
+
+def _runner(module: str) -> Callable[[argparse.Namespace], int]:
+    def run(ns: argparse.Namespace) -> int:
+        return int(importlib.import_module(module).main(ns) or 0)
+
+    run.__name__ = f"run_{module.rsplit('.', 1)[1]}"
+    return run
+
+
+def _arguments(module: str) -> Callable[[argparse.ArgumentParser], None]:
+    add: Callable[[argparse.ArgumentParser], None] = importlib.import_module(module).add_arguments
+    return add
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `bench` with one sub-subcommand per tool; each sets `func=` (Namespace -> exit code)."""
+    bench = subparsers.add_parser("bench", help="Benchmarks: serving, offline, one-batch, scheduler-overhead, chunked-itl.")
+    tools = bench.add_subparsers(dest="bench_command", required=True, metavar="{" + ",".join(TOOLS) + "}")
+    for name, (module, help_line) in TOOLS.items():
+        p = tools.add_parser(name, help=help_line, description=help_line)
+        _arguments(module)(p)
+        p.set_defaults(func=_runner(module))
+    return bench
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.cli <tool> ...` without the app package."""
+    parser = argparse.ArgumentParser(prog="sluice")
+    register(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
+    return int(ns.func(ns) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

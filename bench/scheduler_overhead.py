@@ -1,0 +1,170 @@
+"""`sluice bench scheduler-overhead`: the real Scheduler with a forward that costs nothing.
+
+A stub runner answers every forward at once with one token per request, so what
+is timed is the scheduler's own CPU work per decode round: get_next_batch_to_run
+(merging, PrefillAdder checks, check_decode_mem, prepare_for_decode), the
+ModelWorkerBatch snapshot (sampling tensors, future ids), and
+process_batch_result (append, stop checks, incremental detokenizing, emitting).
+Rounds run back to back as with --disable-overlap-schedule (overlap only changes
+what runs concurrently, not the scheduler's work). Pools are built as
+runtime/engine_setup.py builds them, without a KV tensor (the stub never reads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import pstats
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from bench.engine_runs import add_engine_arguments, engine_settings
+from bench.metrics import append_jsonl, machine_info
+
+STUB_TOKEN = 1000
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-running", type=int, nargs="+", default=[1, 64, 256, 1024], help="Running requests N.")
+    parser.add_argument("--input-len", type=int, default=128, help="Prompt tokens per request.")
+    parser.add_argument("--rounds", type=int, default=200, help="Decode rounds timed per N.")
+    parser.add_argument("--warmup-rounds", type=int, default=10, help="Decode rounds run untimed first.")
+    parser.add_argument("--no-detokenize", action="store_true", help="Skip the per-token detokenizer/output step.")
+    parser.add_argument("--tokenizer", default=None, help="Tokenizer dir (default: the default model's).")
+    parser.add_argument("--profile", type=int, default=None, metavar="N", help="cProfile the timed rounds at this N.")
+    parser.add_argument("--seed", type=int, default=1, help="Seed of the random prompts.")
+    parser.add_argument("--output-file", default=None, help="Append one JSON line per N.")
+    add_engine_arguments(parser)
+
+
+class StubRunner:
+    """Stands in for ModelRunner: no model, no KV; every request gets STUB_TOKEN."""
+
+    device = "cpu"
+
+    def attach_future_map(self, futures: Any) -> None:
+        pass
+
+    def forward_batch_generation(self, mwb: Any) -> Any:
+        from runtime.scheduler_output import BatchResult
+
+        return BatchResult(next_token_ids=[STUB_TOKEN] * len(mwb.req_pool_indices))
+
+
+@dataclass(slots=True)
+class StubPools:
+    req_to_token_pool: Any
+    allocator: Any
+    tree_cache: Any
+    max_total_num_tokens: int
+    kv_pool: Any = None
+
+
+def build_scheduler(settings: Any, context_len: int, tokenizer: Any) -> Any:
+    from runtime.mem.allocator import TokenToKVPoolAllocator
+    from runtime.mem.chunk_cache import ChunkCache
+    from runtime.mem.radix_cache import RadixCache
+    from runtime.mem.req_to_token_pool import ReqToTokenPool
+    from runtime.scheduler import Scheduler
+    from runtime.scheduler_output import OutputProcessor
+
+    req_pool = ReqToTokenPool(settings.max_running_requests + 1, context_len)
+    allocator = TokenToKVPoolAllocator(settings.max_total_tokens, settings.page_size)
+    cache_cls = ChunkCache if settings.disable_radix_cache else RadixCache
+    pools = StubPools(req_pool, allocator, cache_cls(req_pool, allocator, settings.page_size), settings.max_total_tokens)
+    return Scheduler(settings, pools, StubRunner(), OutputProcessor(tokenizer))
+
+
+def one_round(sched: Any) -> str | None:
+    """What the event loop does for one batch, without the executor hop."""
+    batch = sched.get_next_batch_to_run()
+    if batch is not None:
+        mwb = batch.get_model_worker_batch(sched.futures)
+        snapshot = batch.copy_for_result()
+        sched.process_batch_result(snapshot, sched.runner.forward_batch_generation(mwb))
+    sched.last_batch = batch
+    return None if batch is None else batch.forward_mode.name
+
+
+def measure(args: argparse.Namespace, n: int, tokenizer: Any) -> dict[str, Any]:
+    from runtime.req import Req
+    from runtime.sampling_params import SamplingParams
+
+    max_new = args.warmup_rounds + args.rounds + 64
+    per_req = args.input_len + max_new
+    page = engine_settings(args).page_size
+    total = (n * (per_req + 2 * page) // page + 1) * page
+    settings = engine_settings(args, device="cpu", random_seed=0)
+    settings = dataclasses.replace(settings, max_running_requests=max(n, settings.max_running_requests or 0), max_total_tokens=total)
+    sched = build_scheduler(settings, per_req + page, tokenizer)
+    rng = random.Random(args.seed)
+    params = SamplingParams.from_dict({"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True})
+    for i in range(n):
+        req = Req(f"r{i}", [rng.randrange(17, 49152) for _ in range(args.input_len)], params, (2,))
+        if not args.no_detokenize:
+            sched.output.register(req, lambda chunk: None, True)
+        sched.add_request(req)
+    mode = None
+    while sched.waiting_queue or sched.chunked_req is not None or mode != "DECODE":
+        mode = one_round(sched)
+    assert sched.running_batch.batch_size() == n, (sched.running_batch.batch_size(), n)
+    for _ in range(args.warmup_rounds):
+        one_round(sched)
+
+    profiler = cProfile.Profile() if args.profile == n else None
+    wall, cpu = [], []
+    if profiler:
+        profiler.enable()
+    for _ in range(args.rounds):
+        w0, c0 = time.perf_counter(), time.process_time()
+        mode = one_round(sched)
+        wall.append(time.perf_counter() - w0)
+        cpu.append(time.process_time() - c0)
+        assert mode == "DECODE"
+    if profiler:
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
+    assert sched.running_batch.batch_size() == n
+    sched.executor.shutdown(wait=False)
+    med = statistics.median(wall)
+    return {
+        "num_running": n,
+        "rounds": args.rounds,
+        "mean_us_per_round": statistics.fmean(wall) * 1e6,
+        "median_us_per_round": med * 1e6,
+        "p99_us_per_round": sorted(wall)[int(0.99 * (len(wall) - 1))] * 1e6,
+        "median_us_per_request": med * 1e6 / n,
+        "mean_cpu_us_per_round": statistics.fmean(cpu) * 1e6,
+        "detokenize": not args.no_detokenize,
+    }
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from transformers import AutoTokenizer
+
+    from runtime.model_loader import prepare_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or str(prepare_model_dir(None, "auto")))
+    print(__doc__.split("\n\n", 1)[1].strip())
+    header = f"{'N running':>10} {'mean us/round':>14} {'median us/round':>16} {'p99 us/round':>13} {'us/req (median)':>16} {'CPU us/round':>13}"
+    records = [measure(args, n, tokenizer) for n in args.num_running]
+    print(header)
+    for r in records:
+        print(
+            f"{r['num_running']:>10} {r['mean_us_per_round']:>14.1f} {r['median_us_per_round']:>16.1f} "
+            f"{r['p99_us_per_round']:>13.1f} {r['median_us_per_request']:>16.2f} {r['mean_cpu_us_per_round']:>13.1f}"
+        )
+    if args.output_file:
+        machine = machine_info()
+        for r in records:
+            append_jsonl(args.output_file, {"tool": "scheduler-overhead", **r, "machine": machine, "args": vars(args)})
+    return records
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args)
+    return 0

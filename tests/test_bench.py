@@ -1,0 +1,209 @@
+"""The bench tools run end to end on a tiny dummy-weight model and report sane numbers:
+every request succeeds, token counts are exact, TTFT <= E2E. No timing assertions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.datasets import TokenSampler, build_requests, exact_text
+from bench.metrics import RequestResult, compute_metrics, format_report
+
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 49152,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+ENGINE_FLAGS = ["--load-format", "dummy", "--max-total-tokens", "8192", "--max-running-requests", "16", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[tuple[Path, Any]]:
+    """A 2-layer Llama config with the default model's (SmolLM2) tokenizer, no weights;
+    and a `sluice serve` of it with dummy weights, started now (it loads while the
+    in-process tests run) and awaited by the serving tests."""
+    from tests.server_helpers import ServerProcess
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    (out / "config.json").write_text(json.dumps(TINY_CONFIG))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, out / name)
+    server = ServerProcess("--model-path", str(out), "--load-format", "dummy", "--max-running-requests", "16").start()
+    try:
+        yield out, server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_stack: tuple[Path, Any]) -> Path:
+    return tiny_stack[0]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    """Through the real `sluice` parser, so registration is tested too."""
+    from app.cli import build_parser
+
+    return build_parser().parse_args(["bench", *argv])
+
+
+# ---- datasets and report ----------------------------------------------------------------
+
+
+def test_random_prompts_have_exact_lengths_and_no_special_tokens(tokenizer: Any) -> None:
+    ns = parse("offline", "--num-prompts", "20", "--random-input-len", "64", "--random-output-len", "16", "--random-range-ratio", "0.5")
+    reqs = build_requests(ns, tokenizer)
+    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    assert len(reqs) == 20
+    assert all(32 <= r.prompt_len <= 64 and 8 <= r.output_len <= 16 for r in reqs)
+    assert not any(t in special for r in reqs for t in r.prompt_ids)
+    fixed = build_requests(parse("offline", "--num-prompts", "3", "--random-input-len", "40"), tokenizer)
+    assert [r.prompt_len for r in fixed] == [40, 40, 40]
+
+
+def test_shared_prefix_groups_share_their_system_prompt(tokenizer: Any) -> None:
+    ns = parse("offline", "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "3", "--gsp-prompts-per-group", "4",
+               "--gsp-system-prompt-len", "50", "--gsp-question-len", "10", "--gsp-output-len", "5")
+    reqs = build_requests(ns, tokenizer)
+    assert len(reqs) == 12 and all(r.prompt_len == 60 and r.output_len == 5 for r in reqs)
+    for g in range(3):
+        members = [r for r in reqs if r.group == g]
+        assert len(members) == 4 and len({tuple(r.prompt_ids[:50]) for r in members}) == 1
+    assert len({tuple(r.prompt_ids[:50]) for r in reqs}) == 3
+
+
+def test_chat_text_re_encodes_to_the_exact_count(tokenizer: Any) -> None:
+    sampler = TokenSampler(tokenizer, random.Random(0))
+    for n in (1, 17, 200):
+        text, count = exact_text(tokenizer, sampler.sample(n), sampler)
+        assert count == n == len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_report_has_sglang_blocks_and_metric_definitions() -> None:
+    results = [RequestResult(True, 10, 4, 4, ttft=0.1, latency=0.4, itl=[0.1, 0.1, 0.1]), RequestResult(error="boom")]
+    m = compute_metrics(results, duration=1.0)
+    assert m["completed"] == 1 and m["failed"] == 1 and m["total_output_tokens"] == 4
+    assert m["mean_tpot_ms"] == pytest.approx(100.0) and m["median_itl_ms"] == pytest.approx(100.0)
+    text = format_report(m, [("Backend:", "sluice")])
+    for heading in ("Serving Benchmark Result", "Successful requests:", "Time to First Token", "Inter-token Latency",
+                    "Time per Output Token (excl. 1st token)", "End-to-end Latency", "Failed requests:"):
+        assert heading in text
+
+
+# ---- engine tools -----------------------------------------------------------------------------
+
+
+def test_offline_with_variant_and_hf_counts_every_token(tiny_model: Path, tmp_path: Path) -> None:
+    from bench import offline
+
+    out = tmp_path / "offline.jsonl"
+    ns = parse("offline", "--model-path", str(tiny_model), *ENGINE_FLAGS, "--num-prompts", "6", "--random-input-len", "24",
+               "--random-output-len", "8", "--random-range-ratio", "0.5", "--ab", "disable_overlap_schedule=true",
+               "--compare-hf", "--hf-batch-size", "4", "--disable-tqdm", "--output-file", str(out))
+    records = offline.run(ns)
+    sluice, no_overlap, hf = records
+    expected = sluice["total_output_tokens"]
+    for r in (sluice, no_overlap):
+        assert r["completed"] == 6 and r["failed"] == 0 and r["output_len_mismatches"] == 0
+        assert r["total_output_tokens"] == expected and r["output_throughput"] > 0
+        assert 0 < r["median_ttft_ms"] <= r["median_e2e_ms"]
+    assert hf["total_output_tokens"] == expected and hf["sluice_over_hf_output_throughput"] > 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["tool"] for line in lines] == ["offline", "offline", "hf"] and lines[0]["args"]["num_prompts"] == 6
+
+
+def test_offline_stream_measures_ttft_and_itl(tiny_model: Path) -> None:
+    from bench import offline
+
+    ns = parse("offline", "--model-path", str(tiny_model), *ENGINE_FLAGS, "--stream", "--dataset-name", "generated-shared-prefix",
+               "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "64",
+               "--gsp-question-len", "8", "--gsp-output-len", "6", "--disable-tqdm")
+    (r,) = offline.run(ns)
+    assert r["completed"] == 6 and r["failed"] == 0 and r["total_output_tokens"] == 36 and r["total_input_tokens"] == 6 * 72
+    assert r["mean_ttft_ms"] <= r["mean_e2e_ms"] and r["max_ttft_ms"] <= r["max_e2e_ms"]
+    assert r["median_itl_ms"] > 0 and r["total_cached_tokens"] >= 0
+
+
+def test_one_batch_reports_prefill_and_decode(tiny_model: Path) -> None:
+    from bench import one_batch
+
+    ns = parse("one-batch", "--model-path", str(tiny_model), *ENGINE_FLAGS, "--batch-size", "1", "3", "--input-len", "16", "--output-len", "5")
+    records = one_batch.run(ns)
+    assert [r["batch_size"] for r in records] == [1, 3]
+    for r in records:
+        assert r["failed"] == 0 and r["prefill_forwards"] == 1 and r["decode_steps"] >= 3
+        assert r["prefill_latency_s"] > 0 and r["decode_median_latency_s"] > 0 and r["engine_batch_ttft_s"] <= r["total_latency_s"]
+
+
+def test_scheduler_overhead_runs_the_real_scheduler_at_each_n(tiny_model: Path) -> None:
+    from bench import scheduler_overhead
+
+    ns = parse("scheduler-overhead", "--num-running", "1", "8", "--rounds", "5", "--warmup-rounds", "2", "--input-len", "16",
+               "--tokenizer", str(tiny_model))
+    records = scheduler_overhead.run(ns)
+    assert [r["num_running"] for r in records] == [1, 8]
+    assert all(r["median_us_per_round"] > 0 and r["rounds"] == 5 for r in records)
+
+
+def test_chunked_itl_compares_chunk_sizes(tiny_model: Path) -> None:
+    from bench import chunked_itl
+
+    ns = parse("chunked-itl", "--model-path", str(tiny_model), *ENGINE_FLAGS, "--chunk-sizes", "64", "-1", "--num-streams", "2",
+               "--stream-input-len", "8", "--stream-output-len", "24", "--long-input-len", "300", "--long-output-len", "2",
+               "--long-after-tokens", "4")
+    records = chunked_itl.run(ns)
+    assert [r["settings"]["chunked_prefill_size"] for r in records] == [64, -1]
+    for r in records:
+        assert r["failed"] == 0 and r["num_gaps"] == 2 * 23 and r["long_ttft_ms"] > 0 and r["p99_itl_ms"] >= r["median_itl_ms"]
+
+
+# ---- serving against a real `sluice serve` -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_stack: tuple[Path, Any]) -> Any:
+    return tiny_stack[1].wait_ready()
+
+
+@pytest.mark.parametrize("backend", ["sluice", "openai", "openai-chat"])
+def test_serving_backends_report_exact_counts(backend: str, tiny_server: Any, tiny_model: Path, tmp_path: Path) -> None:
+    import asyncio
+
+    from bench import serving
+
+    out = tmp_path / "serving.jsonl"
+    ns = parse("serving", "--backend", backend, "--base-url", tiny_server.base_url, "--num-prompts", "5",
+               "--random-input-len", "20", "--random-output-len", "7", "--max-concurrency", "2", "--request-rate", "50",
+               "--disable-tqdm", "--output-file", str(out))
+    r = asyncio.run(serving.run(ns))
+    assert r["completed"] == 5 and r["failed"] == 0 and r["output_len_mismatches"] == 0
+    assert r["total_output_tokens"] == 35
+    if backend == "openai-chat":
+        assert r["total_input_tokens"] > 100 and r["chat_text_misses"] == 0  # the chat template adds tokens
+    else:
+        assert r["total_input_tokens"] == 100
+    assert 0 < r["mean_ttft_ms"] <= r["mean_e2e_ms"] and r["max_ttft_ms"] <= r["max_e2e_ms"]
+    assert r["median_tpot_ms"] > 0 and r["median_itl_ms"] > 0
+    line = json.loads(out.read_text())
+    assert line["tool"] == "serving" and line["args"]["backend"] == backend
