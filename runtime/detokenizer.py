@@ -43,8 +43,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, **self.decode_kwargs)
 
-    def feed(self, output_ids: list[int]) -> None:
-        """Consume output tokens not seen yet; detect stop strings."""
+    def feed(self, output_ids: list[int], check_stop: bool = True) -> None:
+        """Consume output tokens not seen yet; detect stop strings in the new text
+        (unless `check_stop` is False: before min_new_tokens, stops do not count)."""
         if self.matched_stop is not None:
             return
         new = output_ids[self.num_output :]
@@ -59,7 +60,7 @@ class IncrementalDetokenizer:
         old_len = len(self.text)
         self.text += full[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        if self.stop:
+        if self.stop and check_stop:
             start = max(0, old_len - self.max_stop_len + 1)
             hits = [(pos, s) for s in self.stop if (pos := self.text.find(s, start)) != -1]
             if hits:

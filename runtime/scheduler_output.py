@@ -60,11 +60,9 @@ class OutputProcessor:
         detok = self.detoks.get(req.rid)
         if detok is None or not detok.stop:
             return
-        detok.feed(req.output_ids)
+        detok.feed(req.output_ids, check_stop=len(req.output_ids) >= req.sampling_params.min_new_tokens)
         if detok.matched_stop is not None and not req.finished():
-            n_out = len(req.output_ids)
-            if n_out >= req.sampling_params.min_new_tokens:
-                req.finished_reason = FinishReason("stop", detok.matched_stop)
+            req.finished_reason = FinishReason("stop", detok.matched_stop)
 
     def emit(self, req: Req) -> None:
         entry = self.sinks.get(req.rid)
@@ -75,7 +73,7 @@ class OutputProcessor:
         if not (stream or finished):
             return
         detok = self.detoks[req.rid]
-        detok.feed(req.output_ids)
+        detok.feed(req.output_ids, check_stop=len(req.output_ids) >= req.sampling_params.min_new_tokens)
         delta = detok.release(finished)
         if finished:
             req.finished_time = time.monotonic()

@@ -43,3 +43,13 @@ def test_a_possible_stop_prefix_is_held_back_until_it_resolves(tokenizer: Any) -
     shown = detok.release(finished=False)
     assert shown == "The end is near, "  # "the end" could still become "the end."
     assert detok.release(finished=True) == "the end"
+
+
+def test_stop_strings_before_min_new_tokens_do_not_count(tokenizer: Any) -> None:
+    ids = tokenizer.encode("stop here, then stop again", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], ["stop"])
+    detok.feed(ids[:2], check_stop=False)  # "stop here" arrives before min_new_tokens
+    assert detok.matched_stop is None
+    detok.feed(ids, check_stop=True)
+    assert detok.matched_stop == "stop"
+    assert detok.release(finished=True) == "stop here, then "
