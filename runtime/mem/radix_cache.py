@@ -90,36 +90,41 @@ class RadixCache:
         parent.children[self._child_key(upper.key)] = upper
         return upper
 
-    def _descend(self, key: list[int]) -> tuple[TreeNode, int, list[torch.Tensor]]:
-        """Walk the longest page-aligned cached prefix of `key`, splitting the node
-        it ends inside. Returns (last node, matched length, the matched values)."""
-        node, matched, values, now = self.root, 0, [], time.monotonic()
-        while matched < len(key):
-            child = node.children.get(self._child_key(key[matched:]))
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
+        """Longest cached page-aligned prefix of `key`: (its KV slots, its last node)."""
+        key = key[: len(key) - len(key) % self.page_size]
+        node, values, now = self.root, [], time.monotonic()
+        while key:
+            child = node.children.get(self._child_key(key))
             if child is None:
                 break
             child.last_access_time = now
-            n = self._match_len(child.key, key[matched:])
+            n = self._match_len(child.key, key)
             if n < len(child.key):
                 child = self._split(child, n)
             values.append(child.value)
-            node, matched = child, matched + n
-        return node, matched, values
-
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
-        """Longest cached page-aligned prefix of `key`: (its KV slots, its last node)."""
-        node, _, values = self._descend(key[: len(key) - len(key) % self.page_size])
+            node, key = child, key[n:]
         return (torch.cat(values) if values else _EMPTY), node
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Insert page-aligned `key` -> `value`; returns how many leading tokens
         were already cached (the caller still owns, and must free, those slots)."""
-        node, matched, _ = self._descend(key)
-        if matched < len(key):
-            leaf = TreeNode(list(key[matched:]), value[matched:].clone(), node)
-            node.children[self._child_key(leaf.key)] = leaf
-            self._evictable += len(leaf.key)
-        return matched
+        node, prefix, now = self.root, 0, time.monotonic()
+        while key:
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            child.last_access_time = now
+            n = self._match_len(child.key, key)
+            if n < len(child.key):
+                child = self._split(child, n)
+            prefix += n
+            node, key, value = child, key[n:], value[n:]
+        if key:
+            leaf = TreeNode(list(key), value.clone(), node)
+            node.children[self._child_key(key)] = leaf
+            self._evictable += len(key)
+        return prefix
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         while node is not self.root:
