@@ -162,6 +162,29 @@ class ScheduleBatch:
         self.input_ids = torch.tensor(self.next_input, dtype=torch.int64)
         self.prefix_slots = [None] * len(self.reqs)
 
+    def retract_decode(self) -> list[Req]:
+        """Remove requests (fewest outputs, then longest prompts, first) until the
+        rest can decode. A retracted request keeps its output; its computed KV goes
+        to the prefix cache, so re-prefilling it mostly hits the cache."""
+        order = sorted(
+            range(self.batch_size()),
+            key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
+            reverse=True,
+        )
+        retracted: list[Req] = []
+        while not self.check_decode_mem():
+            if len(order) == 1:
+                raise RuntimeError("KV pool too small for a single request; admission should have rejected it")
+            i = order.pop()
+            req = self.reqs[i]
+            self.tree_cache.cache_finished_req(req, kv_len=self.seq_lens[i])  # type: ignore[attr-defined]
+            req.reset_for_retract()
+            retracted.append(req)
+            self.filter_batch([j for j in range(self.batch_size()) if j != i])
+            order = [j - (j > i) for j in order]
+        self.batch_is_full = False
+        return retracted
+
     # ---- set operations ----------------------------------------------------------
     def filter_batch(self, keep: list[int]) -> None:
         self.reqs = [self.reqs[i] for i in keep]

@@ -334,30 +334,10 @@ class Scheduler:
         return batch
 
     def retract_decode(self, batch: ScheduleBatch) -> None:
-        """Send requests back to the waiting queue (front) until the rest can decode.
-
-        A retracted request keeps its output; its computed KV goes to the prefix
-        cache, so re-prefilling it mostly hits the cache."""
-        order = sorted(
-            range(batch.batch_size()),
-            key=lambda i: (len(batch.reqs[i].output_ids), -len(batch.reqs[i].origin_input_ids)),
-            reverse=True,
-        )
-        retracted: list[Req] = []
-        while not batch.check_decode_mem():
-            if len(order) == 1:
-                raise RuntimeError("KV pool too small for a single request; admission should have rejected it")
-            i = order.pop()
-            req = batch.reqs[i]
-            self.tree_cache.cache_finished_req(req, kv_len=batch.seq_lens[i])
-            req.reset_for_retract()
-            retracted.append(req)
-            keep = [j for j in range(batch.batch_size()) if j != i]
-            batch.filter_batch(keep)
-            order = [j - (j > i) for j in order]
+        """Send requests back to the front of the waiting queue until the rest can decode."""
+        retracted = batch.retract_decode()
         self.waiting_queue[:0] = retracted
         self.stats.add("num_retracted_reqs_total", len(retracted))
-        batch.batch_is_full = False
         log.info("Retract requests.", retracted=len(retracted), running=batch.batch_size(), new_token_ratio=self.new_token_ratio)
 
     # ---- results ------------------------------------------------------------------------------
