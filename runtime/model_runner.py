@@ -76,6 +76,8 @@ class ModelRunner:
 
     def _write_req_to_token(self, mwb: ModelWorkerBatch, out_cache_loc: torch.Tensor) -> None:
         table, start = self.req_to_token, 0
+        for row, slots in mwb.row_syncs:
+            table[row, : slots.numel()] = self._upload(slots, torch.int32)
         decode_rows, decode_pos, decode_tok = [], [], []
         for i, (row, p, n) in enumerate(zip(mwb.req_pool_indices, mwb.extend_prefix_lens, mwb.extend_seq_lens)):
             slots = mwb.prefix_slots[i]

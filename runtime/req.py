@@ -65,6 +65,10 @@ class Req:
         self.extend_input_len = 0
         self.last_node: TreeNode | None = None
         self.req_pool_idx: int | None = None
+        # The scheduler rewrote this row's prefix (cache_unfinished_req found some of
+        # its slots already in the tree); the worker's copy needs it before the next
+        # forward that reads the row.
+        self.row_dirty = False
         self.is_chunked = 0  # >0 while the request is the scheduler's chunked_req
         self.epoch = 0  # bumped on retraction: results of forwards launched before are stale
         self.cached_tokens = 0  # prompt tokens that came from the radix cache (first prefill)
@@ -125,6 +129,7 @@ class Req:
         self.last_node = None
         self.extend_input_len = 0
         self.req_pool_idx = None
+        self.row_dirty = False
         self.epoch += 1
 
     def __repr__(self) -> str:

@@ -35,6 +35,9 @@ class ModelWorkerBatch:
     # For each extending request, the slots of row[:prefix] to (re)write in the
     # worker's req_to_token; None for requests that extend by one decode token.
     prefix_slots: list[torch.Tensor | None]
+    # (row, slots of row[:len]) the scheduler rewrote since the worker last saw the
+    # row; applied before this batch's own writes.
+    row_syncs: list[tuple[int, torch.Tensor]]
     sampling: SamplingBatchInfo
     future_ids: torch.Tensor  # [bs] negative ids under which this batch's next tokens are stored
     top_logprobs_nums: list[int]  # -1 = no logprobs for that request
@@ -202,6 +205,12 @@ class ScheduleBatch:
         self.next_input = future_ids.tolist()
         self.epochs = [r.epoch for r in self.reqs]
         tops = [(r.top_logprobs_num if r.return_logprob else -1) for r in self.reqs]
+        row_syncs = []
+        for r, p, slots in zip(self.reqs, self.prefix_lens, self.prefix_slots):
+            if r.row_dirty:
+                r.row_dirty = False
+                if slots is None:  # an extend rewrites its whole prefix anyway
+                    row_syncs.append((r.req_pool_idx, self.req_to_token_pool.req_to_token[r.req_pool_idx, :p].clone()))
         assert self.input_ids is not None and self.out_cache_loc is not None
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
@@ -212,6 +221,7 @@ class ScheduleBatch:
             extend_prefix_lens=list(self.prefix_lens),
             extend_seq_lens=list(self.extend_lens),
             prefix_slots=list(self.prefix_slots),
+            row_syncs=row_syncs,
             sampling=SamplingBatchInfo.from_reqs(self.reqs, self.forward_mode, self.prefix_slots),
             future_ids=future_ids,
             top_logprobs_nums=tops,

@@ -213,6 +213,11 @@ class Scheduler:
 
         last = self.last_batch
         if last is not None and last.forward_mode.is_extend():
+            # Prompts enter the tree as soon as their prefill is scheduled, so the
+            # next batch already shares them (the worker runs forwards in order).
+            for r in last.reqs[: last.batch_size() - len(last.decoding_reqs)]:
+                if r.req_pool_idx is not None and not r.finished() and r is not self.chunked_req:
+                    r.row_dirty |= self.tree_cache.cache_unfinished_req(r)
             keep = [i for i, r in enumerate(last.reqs) if not r.finished() and r is not self.chunked_req and r.req_pool_idx is not None]
             last.filter_batch(keep)
             if not last.is_empty():

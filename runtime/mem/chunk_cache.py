@@ -56,7 +56,8 @@ class ChunkCache:
         req.req_pool_idx, req.last_node = None, None
         req.prefix_indices = _EMPTY
 
-    def cache_unfinished_req(self, req: Req) -> None:
+    def cache_unfinished_req(self, req: Req) -> bool:
         row = req.req_pool_idx
         assert row is not None
         req.prefix_indices = self.req_to_token_pool.req_to_token[row, : len(req.fill_ids)].to(torch.int64)
+        return False  # the row is never rewritten

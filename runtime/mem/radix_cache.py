@@ -6,8 +6,9 @@ Invariants:
 - A node with `lock_ref > 0` (some running request's prefix ends at or below it)
   is never evicted. `evictable_size` counts tokens in unlocked nodes,
   `protected_size` tokens in locked ones; together they are every slot the tree owns.
-- A request's `prefix_indices` are slots it borrows from the tree (locked via
-  `last_node`); every other slot in its `req_to_token` row is its own.
+- A request borrows the page-aligned head of its `prefix_indices` from the tree
+  (locked via `last_node`); what follows it (an unaligned tail shorter than a
+  page, then everything computed since) is the request's own.
 """
 
 from __future__ import annotations
@@ -169,6 +170,10 @@ class RadixCache:
         return out
 
     # ---- request-level operations -----------------------------------------
+    def _borrowed_len(self, req: Req) -> int:
+        n = len(req.prefix_indices)
+        return n - n % self.page_size
+
     def cache_finished_req(self, req: Req, kv_len: int) -> None:
         """Donate a finished (or retracted) request's KV to the tree and release its row.
 
@@ -183,27 +188,34 @@ class RadixCache:
         new_prefix = self.insert(tokens[:aligned], kv[:aligned])
         # Slots between what the request borrowed and what the tree already had are
         # duplicates of tree-owned KV: the request's copies go back to the allocator.
-        self.allocator.free(kv[len(req.prefix_indices) : new_prefix])
+        self.allocator.free(kv[self._borrowed_len(req) : new_prefix])
         self.req_to_token_pool.free(row)
         self.dec_lock_ref(req.last_node)
         req.req_pool_idx, req.last_node = None, None
         req.prefix_indices = _EMPTY
 
-    def cache_unfinished_req(self, req: Req) -> None:
-        """After a prefill chunk: put the computed prefix in the tree and re-borrow it."""
+    def cache_unfinished_req(self, req: Req) -> bool:
+        """After a prefill (or a chunk of one): put the computed `fill_ids` in the
+        tree and re-borrow them. Returns True if the request's row was rewritten,
+        i.e. some of its own slots duplicated tree KV and were given back.
+
+        Safe while the forward that computes this KV is still in flight: any later
+        forward that reads these slots runs after it on the worker."""
         tokens = req.fill_ids
         row = req.req_pool_idx
         assert row is not None
         kv = self.req_to_token_pool.req_to_token[row, : len(tokens)].to(torch.int64)
         aligned = len(tokens) - len(tokens) % self.page_size
+        borrowed = self._borrowed_len(req)
         new_prefix = self.insert(tokens[:aligned], kv[:aligned])
-        self.allocator.free(kv[len(req.prefix_indices) : new_prefix])
+        self.allocator.free(kv[borrowed:new_prefix])
         new_indices, new_node = self.match_prefix(tokens[:aligned])
         assert len(new_indices) == aligned
-        start = len(req.prefix_indices)
-        self.req_to_token_pool.write(row, start, new_indices[start:])
+        if new_prefix > borrowed:
+            self.req_to_token_pool.write(row, borrowed, new_indices[borrowed:new_prefix])
         self.dec_lock_ref(req.last_node)
         self.inc_lock_ref(new_node)
         # The unaligned tail (if any) stays the request's own.
         req.prefix_indices = torch.cat([new_indices, kv[aligned:]])
         req.last_node = new_node
+        return new_prefix > borrowed
