@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from runtime.detokenizer import IncrementalDetokenizer
 
 
@@ -53,3 +56,26 @@ def test_stop_strings_before_min_new_tokens_do_not_count(tokenizer: Any) -> None
     detok.feed(ids, check_stop=True)
     assert detok.matched_stop == "stop"
     assert detok.release(finished=True) == "stop here, then "
+
+
+class _WrapperOnly:
+    """The tokenizer seen only through transformers' `decode` (the slow path)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.decode = tokenizer.decode
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(0, 49151), min_size=1, max_size=12), skip=st.booleans(), stop=st.sampled_from([[], ["e"], ["\n\n"]]))
+def test_the_rust_fast_path_streams_the_same_text_as_transformers_decode(tokenizer: Any, ids: list[int], skip: bool, stop: list[str]) -> None:
+    streams = []
+    for tok in (tokenizer, _WrapperOnly(tokenizer)):
+        detok = IncrementalDetokenizer(tok, [1, 2, 3], stop, skip_special_tokens=skip)
+        out = []
+        for i in range(1, len(ids) + 1):
+            detok.feed(ids[:i])
+            out.append(detok.release(finished=i == len(ids) or detok.matched_stop is not None))
+            if detok.matched_stop:
+                break
+        streams.append(("".join(out), detok.matched_stop))
+    assert streams[0] == streams[1]
