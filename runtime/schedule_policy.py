@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 # Prefix matching every waiting request is O(queue * prompt); past this queue
 # length the cache-aware policies fall back to fcfs, as SGLang does.
 LPM_MAX_QUEUE = 128
+# lpm: a request whose cached prefix is shorter than this, and whose first this-many
+# tokens equal an earlier waiting request's, waits behind the others this round:
+# once the earlier one is prefilled, it hits the cache instead of recomputing.
+IN_BATCH_PREFIX_TOKENS = 32
 
 
 class SchedulePolicy:
@@ -45,7 +49,8 @@ class SchedulePolicy:
         elif policy == "lpm":
             for r in queue:
                 r.init_next_round_input(self.tree_cache)
-            queue.sort(key=lambda r: -len(r.prefix_indices))
+            later = self._in_batch_duplicates(queue)
+            queue.sort(key=lambda r: (id(r) in later, -len(r.prefix_indices)))
             return True
         elif policy == "dfs-weight":
             for r in queue:
@@ -53,6 +58,20 @@ class SchedulePolicy:
             self._sort_dfs_weight(queue)
             return True
         return False
+
+    @staticmethod
+    def _in_batch_duplicates(queue: list[Req]) -> set[int]:
+        seen: set[tuple[int, ...]] = set()
+        later: set[int] = set()
+        for r in queue:
+            if len(r.prefix_indices) >= IN_BATCH_PREFIX_TOKENS or len(r.fill_ids) < IN_BATCH_PREFIX_TOKENS:
+                continue
+            head = tuple(r.fill_ids[:IN_BATCH_PREFIX_TOKENS])
+            if head in seen:
+                later.add(id(r))
+            else:
+                seen.add(head)
+        return later
 
     def _sort_dfs_weight(self, queue: list[Req]) -> None:
         """Visit the tree depth-first, heaviest subtree (most waiting requests) first,

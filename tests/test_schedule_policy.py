@@ -165,3 +165,18 @@ def test_dfs_weight_runs_requests_sharing_a_prefix_back_to_back() -> None:
     q = [a1, b1, a2, b2, a3]
     SchedulePolicy("dfs-weight", cache).calc_priority(q)
     assert [r.rid for r in q] == ["a1", "a2", "a3", "b1", "b2"]  # heavier subtree first
+
+
+def test_lpm_defers_a_request_whose_prefix_another_waiting_request_will_compute() -> None:
+    cache, alloc, _ = _setup()
+    system_a, system_b = list(range(1000, 1040)), list(range(2000, 2040))
+    a1, a2 = Req("a1", system_a + [1], SamplingParams()), Req("a2", system_a + [2], SamplingParams())
+    b1, short = Req("b1", system_b + [1], SamplingParams()), Req("short", system_a[:8], SamplingParams())
+    q = [a1, a2, b1, short]
+    SchedulePolicy("lpm", cache).calc_priority(q)
+    assert [r.rid for r in q] == ["a1", "b1", "short", "a2"]  # a2 would recompute a1's 40 tokens
+
+    _cache_with(cache, alloc, system_a)  # a1 ran: now a2 hits the cache and goes first
+    q = [b1, a2]
+    SchedulePolicy("lpm", cache).calc_priority(q)
+    assert [r.rid for r in q] == ["a2", "b1"]
