@@ -55,7 +55,7 @@ def _cpu_ram_bytes() -> int:
 
 def resolve_settings(settings: EngineSettings, device: str, config: ModelConfig, weight_bytes: int) -> EngineSettings:
     """Fill every auto knob with a number. On CUDA this runs with the weights resident."""
-    per_token = KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, config.dtype)
+    per_token = KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, config.kv_dtype)
     if device == "cuda":
         free, total = torch.cuda.mem_get_info()
         gpu = gpu_memory_defaults(
@@ -99,7 +99,7 @@ def build(settings: EngineSettings) -> tuple[EngineSettings, ModelConfig, Any, P
         torch.set_num_threads(settings.num_threads)
     dtype = resolve_dtype(settings.dtype, device)
     model_dir = prepare_model_dir(settings.model_path, settings.load_format)
-    config = ModelConfig.from_pretrained(model_dir, dtype, settings.context_length)
+    config = ModelConfig.from_pretrained(model_dir, dtype, settings.context_length, settings.kv_cache_dtype)
     model = load_model(model_dir, config, settings.load_format, device, settings.random_seed)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     settings = resolve_settings(settings, device, config, weight_bytes)
@@ -109,14 +109,15 @@ def build(settings: EngineSettings) -> tuple[EngineSettings, ModelConfig, Any, P
     rows = settings.max_running_requests + 1  # one spare row: a retracting round may briefly need it
     req_pool = ReqToTokenPool(rows, config.context_len)
     allocator = TokenToKVPoolAllocator(settings.max_total_tokens, settings.page_size)
-    kv_pool = KVPool(settings.max_total_tokens + settings.page_size, config.num_layers, config.num_kv_heads, config.head_dim, dtype, device)
+    kv_dtype = config.kv_dtype
+    kv_pool = KVPool(settings.max_total_tokens + settings.page_size, config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype, device)
     cache_cls = ChunkCache if settings.disable_radix_cache else RadixCache
     tree_cache = cache_cls(req_pool, allocator, settings.page_size)
     pools = Pools(req_pool, allocator, kv_pool, tree_cache, settings.max_total_tokens)
     backend = create_attention_backend(
         settings.attention_backend, device, use_cpu_kernel=not settings.disable_cpu_kernels,
         num_qo_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-        page_size=settings.page_size, dtype=dtype,
+        page_size=settings.page_size, dtype=dtype, kv_dtype=kv_dtype,
     )  # fmt: skip
     runner = ModelRunner(model, kv_pool, backend, rows, config.context_len, config.vocab_size, device)
     if device == "cuda" and settings.attention_backend == "flashinfer" and not settings.disable_cuda_graph and settings.cuda_graph_max_bs:
@@ -134,6 +135,7 @@ def build(settings: EngineSettings) -> tuple[EngineSettings, ModelConfig, Any, P
         max_total_num_tokens=settings.max_total_tokens,
         max_running_requests=settings.max_running_requests,
         chunked_prefill_size=settings.chunked_prefill_size,
-        kv_gib=round(KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype) * settings.max_total_tokens / (1 << 30), 3),
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+        kv_gib=round(KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype) * settings.max_total_tokens / (1 << 30), 3),
     )
     return settings, config, tokenizer, pools, runner, str(model_dir)

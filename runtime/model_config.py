@@ -42,12 +42,13 @@ class ModelConfig:
     vocab_size: int
     context_len: int  # max tokens per request (prompt + output); rope cache length
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # the KV cache's; the model dtype unless kv_cache_dtype says otherwise
     eos_token_ids: tuple[int, ...]  # config.json's then generation_config.json's, deduplicated
     tie_word_embeddings: bool
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, dtype: torch.dtype, context_length: int | None = None
+        cls, path: str | Path, dtype: torch.dtype, context_length: int | None = None, kv_cache_dtype: str = "auto"
     ) -> ModelConfig:
         path = Path(path)
         hf = AutoConfig.from_pretrained(path)
@@ -80,6 +81,7 @@ class ModelConfig:
             vocab_size=hf.vocab_size,
             context_len=context_length or derived,
             dtype=dtype,
+            kv_dtype=dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype),
             eos_token_ids=tuple(dict.fromkeys(eos)),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         )

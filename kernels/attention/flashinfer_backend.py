@@ -126,6 +126,7 @@ class FlashInferBackend:
         head_dim: int,
         page_size: int = 1,
         dtype: torch.dtype = torch.bfloat16,
+        kv_dtype: torch.dtype | None = None,
         sm_scale: float | None = None,
         workspace_bytes: int = WORKSPACE_BYTES,
         use_tensor_cores: bool | None = None,
@@ -133,14 +134,17 @@ class FlashInferBackend:
     ) -> None:
         self.device = torch.device(device)
         check_cuda_device(self.device)
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise FlashInferUnavailable(f"FlashInfer attention runs in float16/bfloat16, not {dtype}; use attention_backend=torch")
+        kv_dtype = kv_dtype or dtype
+        if dtype not in (torch.float16, torch.bfloat16) or kv_dtype not in (torch.float16, torch.bfloat16):
+            raise FlashInferUnavailable(
+                f"FlashInfer attention runs in float16/bfloat16, not {dtype} (KV {kv_dtype}); use attention_backend=torch"
+            )
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self.fi = import_flashinfer()
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size = page_size
-        self.dtype = dtype
+        self.dtype, self.kv_dtype = dtype, kv_dtype
         self.sm_scale = sm_scale if sm_scale is not None else head_dim**-0.5
         self.use_tensor_cores = (
             use_tensor_cores if use_tensor_cores is not None else num_qo_heads // num_kv_heads >= TENSOR_CORE_MIN_GQA_GROUP
@@ -198,7 +202,7 @@ class FlashInferBackend:
         wrapper.plan(
             self._host(indptr), indices, self._host(last),
             self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.sm_scale,
+            q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale,
         )  # fmt: skip
         self._after_plan()
         self.active = wrapper
@@ -216,7 +220,7 @@ class FlashInferBackend:
         self.prefill.plan(
             self._host(qo_indptr(fb.extend_seq_lens_cpu)), self._host(indptr), indices, self._host(last),
             self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            causal=True, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.sm_scale,
+            causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale,
         )  # fmt: skip
         self._after_plan()
         self.active = self.prefill
