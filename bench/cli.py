@@ -21,6 +21,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "one-batch": ("bench.one_batch", "One static batch: prefill latency, decode step latency."),
     "scheduler-overhead": ("bench.scheduler_overhead", "The real Scheduler with a stub forward: CPU time per round."),
     "chunked-itl": ("bench.chunked_itl", "Inter-token latency of running streams while a long prompt arrives."),
+    "decode-attention": ("bench.decode_attention", "One decode step's attention: CPU kernel (fp32/bf16 KV) vs torch."),
 }
 
 
@@ -39,7 +40,7 @@ def _arguments(module: str) -> Callable[[argparse.ArgumentParser], None]:
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add `bench` with one sub-subcommand per tool; each sets `func=` (Namespace -> exit code)."""
-    bench = subparsers.add_parser("bench", help="Benchmarks: serving, offline, one-batch, scheduler-overhead, chunked-itl.")
+    bench = subparsers.add_parser("bench", help="Benchmarks: " + ", ".join(TOOLS) + ".")
     tools = bench.add_subparsers(dest="bench_command", required=True, metavar="{" + ",".join(TOOLS) + "}")
     for name, (module, help_line) in TOOLS.items():
         p = tools.add_parser(name, help=help_line, description=help_line)
