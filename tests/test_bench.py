@@ -207,3 +207,15 @@ def test_serving_backends_report_exact_counts(backend: str, tiny_server: Any, ti
     assert r["median_tpot_ms"] > 0 and r["median_itl_ms"] > 0
     line = json.loads(out.read_text())
     assert line["tool"] == "serving" and line["args"]["backend"] == backend
+
+
+def test_decode_attention_times_every_variant(tmp_path: Path) -> None:
+    from bench import decode_attention
+
+    out = tmp_path / "attn.jsonl"
+    ns = parse("decode-attention", "--batch-size", "4", "--context-len", "16", "--num-layers", "2", "--repeats", "2",
+               "--output-file", str(out))
+    assert decode_attention.main(ns) == 0
+    record = json.loads(out.read_text().splitlines()[-1])
+    assert set(record["median_ms"]) == {"kernel, float32 KV", "kernel, bfloat16 KV", "torch gather + SDPA, float32 KV"}
+    assert all(v > 0 for v in record["median_ms"].values())
