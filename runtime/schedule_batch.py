@@ -64,6 +64,9 @@ class ScheduleBatch:
     decoding_reqs: list[Req] = field(default_factory=list)  # decodes riding in a MIXED batch
     batch_is_full: bool = False
     epochs: list[int] = field(default_factory=list)
+    # Decode rounds over the same requests share one SamplingBatchInfo (immutable
+    # once built); any change to `reqs` drops it.
+    _decode_sampling: SamplingBatchInfo | None = None
 
     def is_empty(self) -> bool:
         return not self.reqs
@@ -135,6 +138,8 @@ class ScheduleBatch:
         """KV slots the next decode step takes: a fresh page where the next token
         starts one (the token at position seq_len)."""
         p = self.allocator.page_size
+        if p == 1:
+            return len(self.seq_lens)
         return sum(p for s in self.seq_lens if s % p == 0)
 
     def check_decode_mem(self) -> bool:
@@ -190,11 +195,14 @@ class ScheduleBatch:
 
     # ---- set operations ----------------------------------------------------------
     def filter_batch(self, keep: list[int]) -> None:
+        if len(keep) != len(self.reqs):  # keep is an ascending subset of range(len(reqs))
+            self._decode_sampling = None
         self.reqs = [self.reqs[i] for i in keep]
         self.seq_lens = [self.seq_lens[i] for i in keep]
         self.next_input = [self.next_input[i] for i in keep]
 
     def merge_batch(self, other: ScheduleBatch) -> None:
+        self._decode_sampling = None
         self.reqs = self.reqs + other.reqs
         self.seq_lens = self.seq_lens + other.seq_lens
         self.next_input = self.next_input + other.next_input
@@ -222,11 +230,18 @@ class ScheduleBatch:
             extend_seq_lens=list(self.extend_lens),
             prefix_slots=list(self.prefix_slots),
             row_syncs=row_syncs,
-            sampling=SamplingBatchInfo.from_reqs(self.reqs, self.forward_mode, self.prefix_slots),
+            sampling=self._sampling_info(),
             future_ids=future_ids,
             top_logprobs_nums=tops,
             return_logprob=any(t >= 0 for t in tops),
         )
+
+    def _sampling_info(self) -> SamplingBatchInfo:
+        if not self.forward_mode.is_decode():
+            return SamplingBatchInfo.from_reqs(self.reqs, self.forward_mode, self.prefix_slots)
+        if self._decode_sampling is None:
+            self._decode_sampling = SamplingBatchInfo.from_reqs(self.reqs, self.forward_mode, self.prefix_slots)
+        return self._decode_sampling
 
     def copy_for_result(self) -> ScheduleBatch:
         """A shallow snapshot for process_batch_result while `self` keeps changing."""

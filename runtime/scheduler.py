@@ -348,12 +348,13 @@ class Scheduler:
     # ---- results ------------------------------------------------------------------------------
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
         token_pos = num_tokens = 0
-        n_extend = batch.batch_size() - len(batch.decoding_reqs)
+        n_extend = batch.batch_size() - len(batch.decoding_reqs) if batch.forward_mode.is_extend() else 0
+        output = self.output
         for i, req in enumerate(batch.reqs):
             token_pos += batch.extend_lens[i]
             if req.epoch != batch.epochs[i]:
                 continue  # retracted after this forward was launched
-            if batch.forward_mode.is_extend() and i < n_extend:
+            if i < n_extend:
                 if req.is_chunked > 0:
                     req.is_chunked -= 1
                     continue
@@ -376,12 +377,12 @@ class Scheduler:
                 req.check_finished()
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            self.output.step(req)  # detokenize; may finish the request on a stop string
+            output.step(req)  # detokenize; may finish the request on a stop string
             if req.finished():
                 # This forward wrote KV for positions < seq_len; later ones have none.
                 self.tree_cache.cache_finished_req(req, kv_len=batch.seq_lens[i])
                 self._on_finished(req)
-            self.output.emit(req)
+            output.emit(req)
         self.stats.add("generation_tokens_total", num_tokens)
 
     def _on_finished(self, req: Req) -> None:

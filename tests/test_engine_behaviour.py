@@ -69,6 +69,22 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(engine: Any) -> N
     assert engine.generate(PROMPT, {**params, "top_k": 1})["output_ids"] == _greedy(engine, ignore_eos=True)["output_ids"][:16]
 
 
+def test_each_request_keeps_its_sampling_params_as_the_batch_changes_around_it(engine: Any) -> None:
+    # Requests finish at different steps, so the decode batch shrinks under the
+    # survivors: each must still sample with its own parameters and seed.
+    params = [
+        {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+        {"max_new_tokens": 20, "temperature": 0.8, "seed": 11, "ignore_eos": True},
+        {"max_new_tokens": 9, "temperature": 0, "repetition_penalty": 1.5, "ignore_eos": True},
+        {"max_new_tokens": 20, "temperature": 1.2, "top_k": 5, "seed": 3, "ignore_eos": True},
+    ]
+    prompts = [PROMPT, "Once upon a time", "1, 2, 3, 1, 2, 3,", "def main():"]
+    together = engine.generate(prompts, params)
+    alone = [engine.generate(p, sp) for p, sp in zip(prompts, params)]
+    assert [o["output_ids"] for o in together] == [o["output_ids"] for o in alone]
+    assert [len(o["output_ids"]) for o in together] == [4, 20, 9, 20]
+
+
 def test_repetition_penalty_matches_hf(engine: Any, hf_oracle: Any, tokenizer: Any) -> None:
     ids = tokenizer.encode("1, 2, 3, 1, 2, 3, 1, 2,", add_special_tokens=False)
     ours = engine.generate(ids, {"max_new_tokens": 12, "temperature": 0, "repetition_penalty": 1.3, "ignore_eos": True})
