@@ -73,7 +73,8 @@ def test_full_queue_is_503_and_frees_up_after(limited: ServerProcess) -> None:
             queued_result["payloads"] = sse_payloads(r)
 
     with limited.client() as http, http.stream("POST", "/v1/completions", json=long) as running:
-        next(iter_sse(running))  # occupies the only running slot
+        events = iter_sse(running)  # held: a dropped iterator closes the connection (= abort)
+        next(events)  # occupies the only running slot
         waiter = threading.Thread(target=queued_request)
         waiter.start()
         poll_until(lambda: limited.server_info()["num_waiting_reqs"] == 1, timeout=30, what="one queued request")

@@ -173,7 +173,8 @@ def test_disconnect_by_raw_socket_close_while_queued_for_headers(server: ServerP
 def test_flush_cache_refuses_while_a_request_runs(server: ServerProcess) -> None:
     body = {"prompt": "Go on.", **LONG, "stream": True}
     with server.client() as http, http.stream("POST", "/v1/completions", json=body) as r:
-        next(iter_sse(r))
+        events = iter_sse(r)  # held: a dropped iterator closes the connection (= abort)
+        next(events)
         error = assert_error_envelope(http.post("/flush_cache"), 400)
         assert error["code"] == "requests_running"
     _assert_all_kv_returns(server)
