@@ -201,6 +201,12 @@ class ScheduleBatch:
         self.seq_lens = [self.seq_lens[i] for i in keep]
         self.next_input = [self.next_input[i] for i in keep]
 
+    def drop_reqs_ending_in_flight(self) -> None:
+        """Remove requests that the in-flight forward brings to max_new_tokens."""
+        keep = [i for i, r in enumerate(self.reqs) if len(r.output_ids) + 1 < r.sampling_params.max_new_tokens]
+        if len(keep) < len(self.reqs):
+            self.filter_batch(keep)
+
     def merge_batch(self, other: ScheduleBatch) -> None:
         self._decode_sampling = None
         self.reqs = self.reqs + other.reqs

@@ -212,6 +212,11 @@ class Scheduler:
                 self.tree_cache.cache_unfinished_req(self.chunked_req)
 
         last = self.last_batch
+        # With overlap `last` is still running; requests it brings to max_new_tokens
+        # end there, so the next batch leaves them out rather than run one step past.
+        ends = self.inflight > 0 and last is not None
+        if ends and last.forward_mode.is_decode():  # type: ignore[union-attr]
+            self.running_batch.drop_reqs_ending_in_flight()
         if last is not None and last.forward_mode.is_extend():
             # Prompts enter the tree as soon as their prefill is scheduled, so the
             # next batch already shares them (the worker runs forwards in order).
@@ -220,6 +225,8 @@ class Scheduler:
                     r.row_dirty |= self.tree_cache.cache_unfinished_req(r)
             keep = [i for i, r in enumerate(last.reqs) if not r.finished() and r is not self.chunked_req and r.req_pool_idx is not None]
             last.filter_batch(keep)
+            if ends:
+                last.drop_reqs_ending_in_flight()
             if not last.is_empty():
                 if self.running_batch.is_empty():
                     self.running_batch = last

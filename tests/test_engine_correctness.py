@@ -81,3 +81,17 @@ def test_tiny_kv_pool_retracts_and_still_matches_hf(overlap: bool, make_engine: 
         assert_greedy_equal(hf_oracle, prompt, out["output_ids"], max_new)
     assert engine.get_server_info()["num_retracted_reqs_total"] > 0
     assert_all_memory_free(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_no_decode_step_runs_past_max_new_tokens(overlap: bool, make_engine: Any, prompts: list[list[int]], hf_oracle: Any) -> None:
+    # With overlap the next batch is built before the running one's tokens are
+    # known; a request that the running step completes must not be in it.
+    engine = make_engine(disable_overlap_schedule=not overlap)
+    out = engine.generate(prompts[0], {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert_greedy_equal(hf_oracle, prompts[0], out["output_ids"], 8)
+    assert engine.scheduler.stats.decode_steps == 7  # the prefill gives token 1
+    outs = engine.generate(prompts[:3], [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (3, 6, 9)])
+    assert [len(o["output_ids"]) for o in outs] == [3, 6, 9]
+    assert engine.scheduler.stats.decode_steps == 7 + 8
+    assert_all_memory_free(engine)
