@@ -89,10 +89,9 @@ def rule(title: str, fill: str) -> str:
     return f"{title:{fill}^{WIDTH}}"
 
 
-def format_report(m: dict[str, Any], header: list[tuple[str, Any]], title: str = " Serving Benchmark Result ") -> str:
-    lines = [rule(title, "=")]
-    lines += [row(label, value) for label, value in header]
-    lines += [
+def throughput_rows(m: dict[str, Any]) -> list[str]:
+    """The rows every report opens with: counts, duration and throughputs."""
+    return [
         row("Successful requests:", m["completed"]),
         row("Benchmark duration (s):", m["duration_s"]),
         row("Total input tokens:", m["total_input_tokens"]),
@@ -101,25 +100,26 @@ def format_report(m: dict[str, Any], header: list[tuple[str, Any]], title: str =
         row("Input token throughput (tok/s):", m["input_throughput"]),
         row("Output token throughput (tok/s):", m["output_throughput"]),
         row("Total token throughput (tok/s):", m["total_throughput"]),
-        row("Concurrency:", m["concurrency"]),
-        rule("Time to First Token", "-"),
-        row("Mean TTFT (ms):", m["mean_ttft_ms"]),
-        row("Median TTFT (ms):", m["median_ttft_ms"]),
-        row("P99 TTFT (ms):", m["p99_ttft_ms"]),
-        rule("Time per Output Token (excl. 1st token)", "-"),
-        row("Mean TPOT (ms):", m["mean_tpot_ms"]),
-        row("Median TPOT (ms):", m["median_tpot_ms"]),
-        row("P99 TPOT (ms):", m["p99_tpot_ms"]),
-        rule("Inter-token Latency", "-"),
-        row("Mean ITL (ms):", m["mean_itl_ms"]),
-        row("Median ITL (ms):", m["median_itl_ms"]),
-        row("P95 ITL (ms):", m["p95_itl_ms"]),
-        row("P99 ITL (ms):", m["p99_itl_ms"]),
-        row("Max ITL (ms):", m["max_itl_ms"]),
-        rule("End-to-end Latency", "-"),
-        row("Mean E2E Latency (ms):", m["mean_e2e_ms"]),
-        row("Median E2E Latency (ms):", m["median_e2e_ms"]),
-        row("P99 E2E Latency (ms):", m["p99_e2e_ms"]),
+    ]
+
+
+_STAT_LABELS = {"mean": "Mean", "median": "Median", "p95": "P95", "p99": "P99", "max": "Max"}
+
+
+def _latency_rows(m: dict[str, Any], title: str, key: str, label: str, stats: tuple[str, ...] = ("mean", "median", "p99")) -> list[str]:
+    return [rule(title, "-")] + [row(f"{_STAT_LABELS[st]} {label} (ms):", m[f"{st}_{key}_ms"]) for st in stats]
+
+
+def format_report(m: dict[str, Any], header: list[tuple[str, Any]], title: str = " Serving Benchmark Result ") -> str:
+    lines = [rule(title, "=")]
+    lines += [row(label, value) for label, value in header]
+    lines += throughput_rows(m)
+    lines.append(row("Concurrency:", m["concurrency"]))
+    lines += _latency_rows(m, "Time to First Token", "ttft", "TTFT")
+    lines += _latency_rows(m, "Time per Output Token (excl. 1st token)", "tpot", "TPOT")
+    lines += _latency_rows(m, "Inter-token Latency", "itl", "ITL", ("mean", "median", "p95", "p99", "max"))
+    lines += _latency_rows(m, "End-to-end Latency", "e2e", "E2E Latency")
+    lines += [
         rule("", "-"),
         row("Failed requests:", m["failed"]),
         row("Cached prompt tokens:", m["total_cached_tokens"]),

@@ -25,7 +25,7 @@ from bench.engine_runs import (
     variant_settings,
     warm_up,
 )
-from bench.metrics import RequestResult, append_jsonl, compute_metrics, format_report, machine_info, row, rule
+from bench.metrics import WIDTH, RequestResult, append_jsonl, compute_metrics, format_report, machine_info, row, rule, throughput_rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,18 +65,7 @@ def results_from_outputs(requests: list[BenchRequest], outs: list[dict[str, Any]
 
 
 def format_offline(m: dict[str, Any], backend: str, title: str = " Offline Throughput Benchmark Result ") -> str:
-    lines = [
-        rule(title, "="),
-        row("Backend:", backend),
-        row("Successful requests:", m["completed"]),
-        row("Benchmark duration (s):", m["duration_s"]),
-        row("Total input tokens:", m["total_input_tokens"]),
-        row("Total generated tokens:", m["total_output_tokens"]),
-        row("Request throughput (req/s):", m["request_throughput"]),
-        row("Input token throughput (tok/s):", m["input_throughput"]),
-        row("Output token throughput (tok/s):", m["output_throughput"]),
-        row("Total token throughput (tok/s):", m["total_throughput"]),
-    ]
+    lines = [rule(title, "="), row("Backend:", backend), *throughput_rows(m)]
     if "median_ttft_ms" in m:
         lines += [
             row("Median TTFT, engine-side (ms):", m["median_ttft_ms"]),
@@ -84,7 +73,7 @@ def format_offline(m: dict[str, Any], backend: str, title: str = " Offline Throu
             row("Failed requests:", m["failed"]),
             row("Output length mismatches:", m["output_len_mismatches"]),
         ]
-    lines.append("=" * 50)
+    lines.append("=" * WIDTH)
     return "\n".join(lines)
 
 
