@@ -29,7 +29,7 @@ from bench.engine_runs import (
     variant_settings,
     warm_up,
 )
-from bench.metrics import append_jsonl, machine_info, rule
+from bench.metrics import rule, save_records
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -141,10 +141,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     print(rule(" Side by side ", "="))
     for r in records:
         print(f"{r['variant']:<52} p99/median ITL {r['p99_over_median']:6.2f}   max ITL {r['max_itl_ms']:8.1f} ms   long TTFT {r['long_ttft_ms']:8.1f} ms")
-    if args.output_file:
-        machine = machine_info()
-        for r in records:
-            append_jsonl(args.output_file, {"tool": "chunked-itl", **r, "machine": machine, "args": vars(args)})
+    save_records(args.output_file, "chunked-itl", records, args)
     return records
 
 

@@ -16,7 +16,7 @@ import statistics
 import time
 from typing import Any
 
-from bench.metrics import append_jsonl, machine_info
+from bench.metrics import save_records
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,11 +82,6 @@ def main(ns: argparse.Namespace) -> int:
     print(f"decode attention, {ns.num_layers} layers, bs={ns.batch_size}, context={ns.context_len}")
     for name, m in medians.items():
         print(f"  {name:34s} {m * 1e3:9.1f} ms   x{first / m:5.2f} vs first")
-    record = {
-        "tool": "decode-attention", "args": vars(ns), "machine": machine_info(),
-        "median_ms": {k: v * 1e3 for k, v in medians.items()},
-        "float32_kv_gb_per_step": kv_bytes * 4 / 1e9,
-    }  # fmt: skip
-    if ns.output_file:
-        append_jsonl(ns.output_file, record)
+    record = {"median_ms": {k: v * 1e3 for k, v in medians.items()}, "float32_kv_gb_per_step": kv_bytes * 4 / 1e9}
+    save_records(ns.output_file, "decode-attention", [record], ns)
     return 0

@@ -162,6 +162,15 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
+def save_records(path: str | None, tool: str, records: list[dict[str, Any]], args: Any) -> None:
+    """Append one line per record, tagged with the tool, the machine and the args (no-op without a path)."""
+    if not path:
+        return
+    machine = machine_info()
+    for r in records:
+        append_jsonl(path, {"tool": tool, **r, "machine": machine, "args": vars(args)})
+
+
 def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
     """One line per run: every metric plus the args that produced it."""
     with open(path, "a", encoding="utf-8") as f:

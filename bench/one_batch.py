@@ -25,7 +25,7 @@ from typing import Any
 
 from bench.datasets import BenchRequest, TokenSampler
 from bench.engine_runs import add_engine_arguments, close_engine, engine_settings, generate_all, make_engine, warm_up
-from bench.metrics import append_jsonl, machine_info
+from bench.metrics import save_records
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,10 +136,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             records.append(r)
     finally:
         close_engine(engine)
-    if args.output_file:
-        machine = machine_info()
-        for r in records:
-            append_jsonl(args.output_file, {"tool": "one-batch", **r, "machine": machine, "args": vars(args)})
+    save_records(args.output_file, "one-batch", records, args)
     return records
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.engine_runs import add_engine_arguments, engine_settings
-from bench.metrics import append_jsonl, machine_info
+from bench.metrics import save_records
 
 STUB_TOKEN = 1000
 
@@ -158,10 +158,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             f"{r['num_running']:>10} {r['mean_us_per_round']:>14.1f} {r['median_us_per_round']:>16.1f} "
             f"{r['p99_us_per_round']:>13.1f} {r['median_us_per_request']:>16.2f} {r['mean_cpu_us_per_round']:>13.1f}"
         )
-    if args.output_file:
-        machine = machine_info()
-        for r in records:
-            append_jsonl(args.output_file, {"tool": "scheduler-overhead", **r, "machine": machine, "args": vars(args)})
+    save_records(args.output_file, "scheduler-overhead", records, args)
     return records
 
 
