@@ -1,6 +1,6 @@
 """`sluice bench scheduler-overhead`: the real Scheduler with a forward that costs nothing.
 
-A stub runner answers every forward at once with one token per request, so what
+A stub worker (runtime/model_executor/stub_worker.py) answers every forward at once with one token per request, so what
 is timed is the scheduler's own CPU work per decode round: get_next_batch_to_run
 (merging, PrefillAdder checks, check_decode_mem, prepare_for_decode), the
 ModelWorkerBatch snapshot (sampling tensors, future ids), and
@@ -19,7 +19,6 @@ import pstats
 import random
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from bench.engine_runs import add_engine_arguments, engine_settings
@@ -41,42 +40,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
-class StubRunner:
-    """Stands in for ModelRunner: no model, no KV; every request gets STUB_TOKEN."""
-
-    device = "cpu"
-
-    def attach_future_map(self, futures: Any) -> None:
-        pass
-
-    def forward_batch_generation(self, mwb: Any) -> Any:
-        from runtime.scheduler_output import BatchResult
-
-        return BatchResult(next_token_ids=[STUB_TOKEN] * len(mwb.req_pool_indices))
-
-
-@dataclass(slots=True)
-class StubPools:
-    req_to_token_pool: Any
-    allocator: Any
-    tree_cache: Any
-    max_total_num_tokens: int
-    kv_pool: Any = None
-
-
 def build_scheduler(settings: Any, context_len: int, tokenizer: Any) -> Any:
-    from runtime.mem.allocator import TokenToKVPoolAllocator
-    from runtime.mem.chunk_cache import ChunkCache
-    from runtime.mem.radix_cache import RadixCache
-    from runtime.mem.req_to_token_pool import ReqToTokenPool
-    from runtime.scheduler import Scheduler
-    from runtime.scheduler_output import OutputProcessor
+    """The real Scheduler and pools (as engine_setup builds them) over a StubWorker
+    that answers STUB_TOKEN at once and keeps no KV."""
+    from runtime.managers.scheduler import Scheduler
+    from runtime.managers.scheduler_output import OutputProcessor
+    from runtime.mem.pools import MemoryPools
+    from runtime.model_executor.stub_worker import StubWorker
 
-    req_pool = ReqToTokenPool(settings.max_running_requests + 1, context_len)
-    allocator = TokenToKVPoolAllocator(settings.max_total_tokens, settings.page_size)
-    cache_cls = ChunkCache if settings.disable_radix_cache else RadixCache
-    pools = StubPools(req_pool, allocator, cache_cls(req_pool, allocator, settings.page_size), settings.max_total_tokens)
-    return Scheduler(settings, pools, StubRunner(), OutputProcessor(tokenizer))
+    pools = MemoryPools.build(
+        settings.max_running_requests, context_len, settings.max_total_tokens, settings.page_size, settings.disable_radix_cache
+    )
+    worker = StubWorker(pools.num_rows, context_len, 0, len(tokenizer), constant_token=STUB_TOKEN)
+    return Scheduler(settings, pools, worker, OutputProcessor(tokenizer))
 
 
 def one_round(sched: Any) -> str | None:
@@ -85,13 +61,13 @@ def one_round(sched: Any) -> str | None:
     if batch is not None:
         mwb = batch.get_model_worker_batch(sched.futures)
         snapshot = batch.copy_for_result()
-        sched.process_batch_result(snapshot, sched.runner.forward_batch_generation(mwb))
+        sched.process_batch_result(snapshot, sched.worker.forward(mwb))
     sched.last_batch = batch
     return None if batch is None else batch.forward_mode.name
 
 
 def measure(args: argparse.Namespace, n: int, tokenizer: Any) -> dict[str, Any]:
-    from runtime.req import Req
+    from runtime.managers.req import Req
     from runtime.sampling_params import SamplingParams
 
     max_new = args.warmup_rounds + args.rounds + 64
@@ -146,7 +122,7 @@ def measure(args: argparse.Namespace, n: int, tokenizer: Any) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
-    from runtime.model_loader import prepare_model_dir
+    from runtime.model_executor.model_loader import prepare_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or str(prepare_model_dir(None, "auto")))
     print(__doc__.split("\n\n", 1)[1].strip())

@@ -144,7 +144,7 @@ async def _arrivals(n: int, rate: float, rng: np.random.Generator) -> AsyncItera
 def load_tokenizer(args: argparse.Namespace, info: dict[str, Any] | None) -> Any:
     from transformers import AutoTokenizer
 
-    from runtime.model_loader import prepare_model_dir
+    from runtime.model_executor.model_loader import prepare_model_dir
 
     candidates = [args.tokenizer] if args.tokenizer else []
     if info:

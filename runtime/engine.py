@@ -8,6 +8,7 @@ call. Callers on any loop get their outputs through a queue on their own loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -18,30 +19,34 @@ import torch
 
 from config.settings import EngineSettings
 from runtime import engine_setup
+from runtime.engine_setup import EngineStack
 from runtime.errors import InvalidRequest
-from runtime.req import Req
+from runtime.managers.req import Req
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler
-from runtime.scheduler_output import OutputProcessor
+from runtime.managers.scheduler import Scheduler
+from runtime.managers.scheduler_output import OutputProcessor
 
 Prompt = str | list[int]
 
 
 class Engine:
-    def __init__(self, settings: EngineSettings | None = None, **overrides: Any) -> None:
-        base = settings or EngineSettings()
-        if overrides:
-            import dataclasses
-
-            base = dataclasses.replace(base, **overrides)
-        self.settings, self.model_config, self.tokenizer, self.pools, self.runner, self.model_dir = engine_setup.build(base)
+    def __init__(self, settings: EngineSettings | None = None, *, stack: EngineStack | None = None, **overrides: Any) -> None:
+        """Load the model for `settings` (with `overrides` applied), or run on a prebuilt
+        `stack` (tests and benchmarks pass one around a stub worker)."""
+        if stack is None:
+            stack = engine_setup.build(dataclasses.replace(settings or EngineSettings(), **overrides))
+        self.settings = stack.settings
+        self.model_config = stack.model_config
+        self.tokenizer = stack.tokenizer
+        self.pools = stack.pools
+        self.worker = stack.worker
+        self.model_dir = stack.model_dir
         self.output = OutputProcessor(self.tokenizer)
-        self.scheduler = Scheduler(self.settings, self.pools, self.runner, self.output)
+        self.scheduler = Scheduler(self.settings, self.pools, self.worker, self.output)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-tokenize")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
-        self._seed_counter = 0
 
     # ---- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
@@ -91,7 +96,7 @@ class Engine:
             self._loop.close()
         self.scheduler.executor.shutdown(wait=False)
         self._tokenize_pool.shutdown(wait=False)
-        self.runner.close()
+        self.worker.close()
         self._loop = None
 
     async def _await_task(self) -> None:
@@ -130,7 +135,7 @@ class Engine:
             raise InvalidRequest("top_logprobs_num must be an integer in [0, 20]", param="top_logprobs")
         req = Req(rid, ids, sp, self.model_config.eos_token_ids, return_logprob or top_logprobs_num > 0, top_logprobs_num)
         if sp.seed is not None and not sp.is_greedy:
-            req.generator = torch.Generator(device=self.runner.device).manual_seed(sp.seed)
+            req.generator = torch.Generator(device=self.worker.device).manual_seed(sp.seed)
         return req
 
     async def _submit(self, prompt: Prompt, params: Any, rid: str | None, stream: bool, return_logprob: bool, top_logprobs_num: int) -> tuple[Req, asyncio.Queue[dict[str, Any]]]:

@@ -7,35 +7,39 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
 
 from config.settings import EngineSettings, SettingsError
 from kernels.attention import create_attention_backend
-from runtime.gpu_defaults import default_cuda_graph_max_bs, default_max_running_requests, gpu_memory_defaults, kv_pool_tokens
-from runtime.mem.allocator import TokenToKVPoolAllocator
-from runtime.mem.chunk_cache import ChunkCache
+from runtime.model_executor.gpu_defaults import default_cuda_graph_max_bs, default_max_running_requests, gpu_memory_defaults, kv_pool_tokens
 from runtime.mem.kv_pool import KVPool
-from runtime.mem.radix_cache import RadixCache
-from runtime.mem.req_to_token_pool import ReqToTokenPool
+from runtime.mem.pools import MemoryPools
 from runtime.model_config import ModelConfig
-from runtime.model_loader import load_model, prepare_model_dir, resolve_dtype
-from runtime.model_runner import ModelRunner
+from runtime.model_executor.model_loader import load_model, prepare_model_dir, resolve_dtype
+from runtime.model_executor.model_runner import ModelRunner
+from runtime.model_executor.worker import Worker
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = structlog.get_logger("sluice.engine")
 
 CPU_KV_BUDGET_BYTES = 4 << 30  # default KV budget on CPU: min(this, a quarter of RAM)
 
 
-@dataclass(slots=True)
-class Pools:
-    req_to_token_pool: ReqToTokenPool
-    allocator: TokenToKVPoolAllocator
-    kv_pool: KVPool
-    tree_cache: RadixCache | ChunkCache
-    max_total_num_tokens: int
+@dataclass(frozen=True, slots=True)
+class EngineStack:
+    """Everything an Engine runs on, built once from resolved settings."""
+
+    settings: EngineSettings  # every auto knob resolved to a value
+    model_config: ModelConfig
+    tokenizer: PreTrainedTokenizerBase
+    pools: MemoryPools
+    worker: Worker
+    model_dir: str
 
 
 def resolve_device(setting: str) -> str:
@@ -90,8 +94,35 @@ def resolve_settings(settings: EngineSettings, device: str, config: ModelConfig,
     )
 
 
-def build(settings: EngineSettings) -> tuple[EngineSettings, ModelConfig, Any, Pools, ModelRunner, str]:
-    """Returns (resolved settings, model config, tokenizer, pools, runner, model dir)."""
+def _pools(settings: EngineSettings, config: ModelConfig) -> MemoryPools:
+    assert settings.max_total_tokens and settings.max_running_requests, "resolve_settings first"
+    return MemoryPools.build(
+        settings.max_running_requests, config.context_len, settings.max_total_tokens, settings.page_size, settings.disable_radix_cache
+    )
+
+
+def build_stub(settings: EngineSettings, *, constant_token: int | None = None) -> EngineStack:
+    """The real scheduler, pools and tokenizer of `settings.model_path` (default: the
+    embedded model) around a StubWorker: no weights, no KV tensors, deterministic
+    tokens (see runtime/model_executor/stub_worker.py). For fast tests and benchmarks."""
+    from transformers import AutoTokenizer
+
+    from runtime.model_executor.stub_worker import StubWorker
+
+    model_dir = prepare_model_dir(settings.model_path, settings.load_format)
+    config = ModelConfig.from_pretrained(model_dir, torch.float32, settings.context_length)
+    settings = resolve_settings(dataclasses.replace(settings, device="cpu"), "cpu", config, 0)
+    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or model_dir)
+    pools = _pools(settings, config)
+    assert settings.max_total_tokens
+    worker = StubWorker(
+        pools.num_rows, config.context_len, settings.max_total_tokens + settings.page_size, config.vocab_size, constant_token=constant_token
+    )
+    return EngineStack(settings, config, tokenizer, pools, worker, str(model_dir))
+
+
+def build(settings: EngineSettings) -> EngineStack:
+    """Load the model and size the pools for `settings`."""
     from transformers import AutoTokenizer
 
     device = resolve_device(settings.device)
@@ -104,24 +135,17 @@ def build(settings: EngineSettings) -> tuple[EngineSettings, ModelConfig, Any, P
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     settings = resolve_settings(settings, device, config, weight_bytes)
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or model_dir)
-
-    assert settings.max_total_tokens and settings.max_running_requests
-    rows = settings.max_running_requests + 1  # one spare row: a retracting round may briefly need it
-    req_pool = ReqToTokenPool(rows, config.context_len)
-    allocator = TokenToKVPoolAllocator(settings.max_total_tokens, settings.page_size)
+    pools = _pools(settings, config)
     kv_dtype = config.kv_dtype
     kv_pool = KVPool(settings.max_total_tokens + settings.page_size, config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype, device)
-    cache_cls = ChunkCache if settings.disable_radix_cache else RadixCache
-    tree_cache = cache_cls(req_pool, allocator, settings.page_size)
-    pools = Pools(req_pool, allocator, kv_pool, tree_cache, settings.max_total_tokens)
     backend = create_attention_backend(
         settings.attention_backend, device, use_cpu_kernel=not settings.disable_cpu_kernels,
         num_qo_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         page_size=settings.page_size, dtype=dtype, kv_dtype=kv_dtype,
     )  # fmt: skip
-    runner = ModelRunner(model, kv_pool, backend, rows, config.context_len, config.vocab_size, device)
+    runner = ModelRunner(model, kv_pool, backend, pools.num_rows, config.context_len, config.vocab_size, device)
     if device == "cuda" and settings.attention_backend == "flashinfer" and not settings.disable_cuda_graph and settings.cuda_graph_max_bs:
-        from runtime.cuda_graph_runner import CudaGraphRunner
+        from runtime.model_executor.cuda_graph_runner import CudaGraphRunner
 
         start = time.monotonic()
         runner.graph_runner = CudaGraphRunner(model, backend, kv_pool, runner.req_to_token, settings.cuda_graph_max_bs, stream=runner.stream)
@@ -138,4 +162,4 @@ def build(settings: EngineSettings) -> tuple[EngineSettings, ModelConfig, Any, P
         kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
         kv_gib=round(KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype) * settings.max_total_tokens / (1 << 30), 3),
     )
-    return settings, config, tokenizer, pools, runner, str(model_dir)
+    return EngineStack(settings, config, tokenizer, pools, runner, str(model_dir))

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.model_loader import prepare_model_dir
+from runtime.model_executor.model_loader import prepare_model_dir
 
 LONG_TEXT = (
     "The river rose slowly through the night, and by morning the low fields were under water. "

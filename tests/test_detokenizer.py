@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.detokenizer import IncrementalDetokenizer
+from runtime.managers.detokenizer import IncrementalDetokenizer
 
 
 def _stream(tokenizer: Any, text: str, stop: list[str], prompt: str = "Say:") -> tuple[str, IncrementalDetokenizer]:

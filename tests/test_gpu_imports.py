@@ -24,10 +24,10 @@ from kernels.attention.flashinfer_backend import (
     qo_indptr,
 )
 from kernels.attention.torch_native import TorchNativeBackend
-from runtime.cuda_graph_runner import CudaGraphRunner, cuda_graph_batch_sizes, padding_waste, pick_bucket
-from runtime.gpu_defaults import GiB, default_cuda_graph_max_bs, default_max_running_requests, gpu_memory_defaults, kv_pool_tokens
+from runtime.model_executor.cuda_graph_runner import CudaGraphRunner, cuda_graph_batch_sizes, padding_waste, pick_bucket
+from runtime.model_executor.gpu_defaults import GiB, default_cuda_graph_max_bs, default_max_running_requests, gpu_memory_defaults, kv_pool_tokens
 from runtime.model_config import ModelConfig
-from runtime.model_loader import load_model
+from runtime.model_executor.model_loader import load_model
 from tests.gpu import PagedBatches, fake_flashinfer, run_rounds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_cuda_modules_import_without_flashinfer_or_cuda() -> None:
     code = (
-        "import sys, kernels.attention.flashinfer_backend, runtime.cuda_graph_runner, runtime.gpu_defaults\n"
+        "import sys, kernels.attention.flashinfer_backend, runtime.model_executor.cuda_graph_runner, runtime.model_executor.gpu_defaults\n"
         "assert 'flashinfer' not in sys.modules, 'flashinfer imported eagerly'\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)

@@ -8,7 +8,7 @@ import torch
 from runtime.mem.allocator import TokenToKVPoolAllocator
 from runtime.mem.radix_cache import RadixCache
 from runtime.mem.req_to_token_pool import ReqToTokenPool
-from runtime.req import Req
+from runtime.managers.req import Req
 from runtime.sampling_params import SamplingParams
 
 

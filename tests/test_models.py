@@ -14,17 +14,18 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from kernels.attention.torch_native import TorchNativeBackend
-from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
 from runtime.mem.kv_pool import KVPool
 from runtime.model_config import ModelConfig
-from runtime.model_loader import (
+from runtime.model_executor.model_loader import (
     COMPLETE_MARKER,
     default_model_path,
     load_model,
     prepare_model_dir,
     resolve_dtype,
 )
-from runtime.models.layers import RMSNorm, rope_inv_freq, rope_parameters
+from runtime.layers.layernorm import RMSNorm
+from runtime.layers.rotary_embedding import rope_inv_freq, rope_parameters
 
 
 class PagedRequests:
@@ -277,7 +278,7 @@ def test_rope_parameters_reads_old_and_new_configs() -> None:
 
 
 def test_missing_default_model_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    import runtime.model_loader as loader
+    import runtime.model_executor.model_loader as loader
 
     monkeypatch.setattr(loader, "DEFAULT_GGUF_PACKAGE", "no_such_package_sluice")
     monkeypatch.setattr(loader, "DEFAULT_GGUF_DIST", "no-such-package-sluice")

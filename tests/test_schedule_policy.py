@@ -7,10 +7,10 @@ import torch
 from runtime.mem.allocator import TokenToKVPoolAllocator
 from runtime.mem.radix_cache import RadixCache
 from runtime.mem.req_to_token_pool import ReqToTokenPool
-from runtime.req import Req
+from runtime.managers.req import Req
 from runtime.sampling_params import SamplingParams
-from runtime.schedule_batch import ScheduleBatch
-from runtime.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from runtime.managers.schedule_batch import ScheduleBatch
+from runtime.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 
 
 def _setup(size: int = 1024, page_size: int = 1) -> tuple[RadixCache, TokenToKVPoolAllocator, ReqToTokenPool]:

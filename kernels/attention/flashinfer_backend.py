@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from runtime.forward_batch import ForwardBatch
-    from runtime.mem.kv_pool import KVPool
+    from kernels.attention.base import AttentionBatch
+    from kernels.attention.base import KVCache
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-kv partials)
 TENSOR_CORE_MIN_GQA_GROUP = 4  # SGLang's rule: prefill-style decode kernels pay off from here
@@ -162,7 +162,7 @@ class FlashInferBackend:
         self.graph_wrappers: dict[int, Any] = {}  # captured batch size -> CUDA-graph decode wrapper
         self._graph_bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._kv_pages: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._kv_pool: KVPool | None = None
+        self._kv_pool: KVCache | None = None
         # A wrapper's plan() stages its schedule in a pinned host buffer and copies it
         # up asynchronously; the next plan() must not overwrite that buffer before the
         # copy ran. Waiting on the previous plan's event is free in steady state (the
@@ -171,7 +171,7 @@ class FlashInferBackend:
         self._planned = False
 
     # ---- helpers ---------------------------------------------------------------------
-    def _bind_pool(self, pool: KVPool) -> None:
+    def _bind_pool(self, pool: KVCache) -> None:
         if pool is self._kv_pool:
             return
         p = self.page_size
@@ -208,7 +208,7 @@ class FlashInferBackend:
         self.active = wrapper
 
     # ---- AttentionBackend --------------------------------------------------------------
-    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+    def init_forward_metadata(self, fb: AttentionBatch) -> None:
         self._bind_pool(fb.kv_pool)
         indptr, last = paged_kv_layout(torch.tensor(fb.seq_lens_cpu, dtype=torch.int32), self.page_size)
         num_pages = int(indptr[-1])
@@ -226,14 +226,14 @@ class FlashInferBackend:
         self.active = self.prefill
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float, fb: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float, fb: AttentionBatch
     ) -> torch.Tensor:
         fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)  # one indexed copy each for K and V
         if scaling != self.sm_scale:  # the plan fixed sm_scale; fold any other scale into q
             q = q * (scaling / self.sm_scale)
         return self.active.run(q.contiguous(), self._kv_pages[layer_id])
 
-    # ---- CUDA-graph decode (driven by runtime.cuda_graph_runner) -------------------------
+    # ---- CUDA-graph decode (driven by runtime.model_executor.cuda_graph_runner) -------------------------
     def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
         """Fixed buffers every graph wrapper plans into: only one graph replays at a
         time, and each replay re-plans its own wrapper first."""
@@ -244,7 +244,7 @@ class FlashInferBackend:
             torch.ones(max_bs, dtype=torch.int32, device=dev),  # kv_last_page_len
         )
 
-    def init_forward_metadata_capture_cuda_graph(self, bucket: int, fb: ForwardBatch) -> None:
+    def init_forward_metadata_capture_cuda_graph(self, bucket: int, fb: AttentionBatch) -> None:
         """Make (once) and plan the wrapper graph `bucket` captures; `fb` is the
         runner's static batch (all padding)."""
         assert self._graph_bufs is not None, "init_cuda_graph_state first"
@@ -263,12 +263,12 @@ class FlashInferBackend:
         self._bind_pool(fb.kv_pool)
         self._plan_padded(self.graph_wrappers[bucket], bucket, [], fb)
 
-    def init_forward_metadata_replay_cuda_graph(self, bucket: int, fb: ForwardBatch) -> None:
+    def init_forward_metadata_replay_cuda_graph(self, bucket: int, fb: AttentionBatch) -> None:
         """Plan graph `bucket` for decode batch `fb` (fb.batch_size <= bucket)."""
         self._bind_pool(fb.kv_pool)
         self._plan_padded(self.graph_wrappers[bucket], bucket, fb.seq_lens_cpu, fb)
 
-    def _plan_padded(self, wrapper: Any, bucket: int, seq_lens: list[int], fb: ForwardBatch) -> None:
+    def _plan_padded(self, wrapper: Any, bucket: int, seq_lens: list[int], fb: AttentionBatch) -> None:
         bs = len(seq_lens)
         indptr, last = paged_kv_layout(torch.tensor(padded_seq_lens(seq_lens, bucket), dtype=torch.int32), self.page_size)
         real_pages = int(indptr[bs])

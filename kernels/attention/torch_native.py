@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from runtime.forward_batch import ForwardBatch
+    from kernels.attention.base import AttentionBatch
 
 
 @dataclass(slots=True)
@@ -44,7 +44,7 @@ class TorchNativeBackend:
         self._decode: _DecodePlan | None = None
         self._extends: list[_ExtendItem] = []
 
-    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+    def init_forward_metadata(self, fb: AttentionBatch) -> None:
         rows = fb.req_pool_indices
         starts = [0]
         for n in fb.extend_seq_lens_cpu:
@@ -75,7 +75,7 @@ class TorchNativeBackend:
             self._extends.append(_ExtendItem(starts[i], length, kv_idx, mask))
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float, fb: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float, fb: AttentionBatch
     ) -> torch.Tensor:
         fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = fb.kv_pool.get_kv(layer_id)

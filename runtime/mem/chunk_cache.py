@@ -13,7 +13,8 @@ import torch
 if TYPE_CHECKING:
     from runtime.mem.allocator import TokenToKVPoolAllocator
     from runtime.mem.req_to_token_pool import ReqToTokenPool
-    from runtime.schedule_batch import Req
+    from runtime.mem.prefix_cache import CacheableReq
+    from runtime.mem.radix_cache import TreeNode
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -27,7 +28,7 @@ class ChunkCache:
     def reset(self) -> None:
         pass
 
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, None]:
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode | None]:
         return _EMPTY, None
 
     def evictable_size(self) -> int:
@@ -42,13 +43,13 @@ class ChunkCache:
     def evict(self, num_tokens: int) -> int:
         return 0
 
-    def inc_lock_ref(self, node: None) -> None:
+    def inc_lock_ref(self, node: TreeNode | None) -> None:
         pass
 
-    def dec_lock_ref(self, node: None) -> None:
+    def dec_lock_ref(self, node: TreeNode | None) -> None:
         pass
 
-    def cache_finished_req(self, req: Req, kv_len: int) -> None:
+    def cache_finished_req(self, req: CacheableReq, kv_len: int) -> None:
         row = req.req_pool_idx
         assert row is not None
         self.allocator.free(self.req_to_token_pool.req_to_token[row, :kv_len].to(torch.int64))
@@ -56,7 +57,7 @@ class ChunkCache:
         req.req_pool_idx, req.last_node = None, None
         req.prefix_indices = _EMPTY
 
-    def cache_unfinished_req(self, req: Req) -> bool:
+    def cache_unfinished_req(self, req: CacheableReq) -> bool:
         row = req.req_pool_idx
         assert row is not None
         req.prefix_indices = self.req_to_token_pool.req_to_token[row, : len(req.fill_ids)].to(torch.int64)

@@ -23,7 +23,7 @@ import torch
 if TYPE_CHECKING:
     from runtime.mem.allocator import TokenToKVPoolAllocator
     from runtime.mem.req_to_token_pool import ReqToTokenPool
-    from runtime.schedule_batch import Req
+    from runtime.mem.prefix_cache import CacheableReq
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _ids = itertools.count()
@@ -127,13 +127,13 @@ class RadixCache:
             self._evictable += len(key)
         return prefix
 
-    def inc_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
+    def inc_lock_ref(self, node: TreeNode | None) -> None:
+        while node is not None and node is not self.root:
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
             node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
 
     def dec_lock_ref(self, node: TreeNode | None) -> None:
         while node is not None and node is not self.root:
@@ -170,11 +170,11 @@ class RadixCache:
         return out
 
     # ---- request-level operations -----------------------------------------
-    def _borrowed_len(self, req: Req) -> int:
+    def _borrowed_len(self, req: CacheableReq) -> int:
         n = len(req.prefix_indices)
         return n - n % self.page_size
 
-    def cache_finished_req(self, req: Req, kv_len: int) -> None:
+    def cache_finished_req(self, req: CacheableReq, kv_len: int) -> None:
         """Donate a finished (or retracted) request's KV to the tree and release its row.
 
         The first `kv_len` tokens of prompt + output have KV in the request's row.
@@ -194,7 +194,7 @@ class RadixCache:
         req.req_pool_idx, req.last_node = None, None
         req.prefix_indices = _EMPTY
 
-    def cache_unfinished_req(self, req: Req) -> bool:
+    def cache_unfinished_req(self, req: CacheableReq) -> bool:
         """After a prefill (or a chunk of one): put the computed `fill_ids` in the
         tree and re-borrow them. Returns True if the request's row was rewritten,
         i.e. some of its own slots duplicated tree KV and were given back.

@@ -13,19 +13,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from runtime.models.layers import (
-    Linear,
-    MergedLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    SiluAndMulMLP,
-    VocabEmbedding,
-    apply_rotary,
-    rope_parameters,
-)
+from kernels.attention.base import AttentionBatch
+from runtime.layers.activation import SiluAndMulMLP
+from runtime.layers.attention import RadixAttention
+from runtime.layers.layernorm import RMSNorm
+from runtime.layers.linear import Linear, MergedLinear
+from runtime.layers.rotary_embedding import RotaryEmbedding, apply_rotary, rope_parameters
+from runtime.layers.vocab_embedding import VocabEmbedding
 
 if TYPE_CHECKING:
-    from runtime.forward_batch import ForwardBatch
     from runtime.model_config import ModelConfig
 
 # checkpoint projection -> (fused module, shard index)
@@ -47,7 +43,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scaling = self.head_dim**-0.5
+        self.attn = RadixAttention(layer_id, self.head_dim**-0.5)
         self.qkv_proj = MergedLinear(config.hidden_size, (self.q_size, self.kv_size, self.kv_size), bias=qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         eps = config.hf_config.rms_norm_eps
@@ -55,7 +51,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: AttentionBatch) -> torch.Tensor:
         t = h.shape[0]
         q, k, v = self.qkv_proj(h).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -64,7 +60,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = fb.attn_backend.forward(q, k, v, self.layer_id, self.scaling, fb)
+        o = self.attn(q, k, v, fb)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -78,7 +74,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
 
     def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, fb: AttentionBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # On entry `h` is the previous layer's MLP output not yet added to `residual`
         # (None before the first layer, where `h` is the embedding).
@@ -101,7 +97,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, **attn_flags) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: AttentionBatch) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions)
         residual: torch.Tensor | None = None
@@ -142,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
             config.hidden_size, config.vocab_size
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: AttentionBatch) -> torch.Tensor:
         return self.model(input_ids, positions, fb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
 from runtime.mem.kv_pool import KVPool
 from runtime.model_config import ModelConfig
 
@@ -45,7 +45,7 @@ def write_model_dir(path: Path, **overrides: Any) -> Path:
     directory for `load_format="dummy"` (no weights)."""
     from transformers import LlamaConfig
 
-    from runtime.model_loader import COMPLETE_MARKER, prepare_model_dir
+    from runtime.model_executor.model_loader import COMPLETE_MARKER, prepare_model_dir
 
     src = prepare_model_dir(None, "auto")
     path.mkdir(parents=True, exist_ok=True)

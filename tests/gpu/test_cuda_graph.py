@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kernels.attention.flashinfer_backend import FlashInferBackend
-from runtime.cuda_graph_runner import CudaGraphRunner
+from runtime.model_executor.cuda_graph_runner import CudaGraphRunner
 from runtime.model_config import ModelConfig
-from runtime.model_loader import load_model
+from runtime.model_executor.model_loader import load_model
 from tests.conftest import assert_all_memory_free
 from tests.gpu import PagedBatches, run_rounds, write_model_dir
 

@@ -10,7 +10,7 @@ import torch
 from kernels.attention.flashinfer_backend import FlashInferBackend
 from kernels.attention.torch_native import TorchNativeBackend
 from runtime.model_config import ModelConfig
-from runtime.model_loader import load_model
+from runtime.model_executor.model_loader import load_model
 from tests.gpu import PagedBatches, run_rounds, write_model_dir
 
 pytestmark = pytest.mark.gpu

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from runtime.mem.kv_pool import KVPool

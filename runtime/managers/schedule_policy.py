@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import enum
 import random
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from runtime.mem.prefix_cache import PrefixCache
+from runtime.mem.radix_cache import RadixCache
 from runtime.sampling_params import CLIP_MAX_NEW_TOKENS
 
 if TYPE_CHECKING:
     from runtime.mem.allocator import TokenToKVPoolAllocator
     from runtime.mem.radix_cache import TreeNode
-    from runtime.req import Req
-    from runtime.schedule_batch import ScheduleBatch
+    from runtime.managers.req import Req
+    from runtime.managers.schedule_batch import ScheduleBatch
 
 # Prefix matching every waiting request is O(queue * prompt); past this queue
 # length the cache-aware policies fall back to fcfs, as SGLang does.
@@ -24,19 +26,16 @@ IN_BATCH_PREFIX_TOKENS = 32
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache: Any, seed: int | None = None) -> None:
+    def __init__(self, policy: str, tree_cache: PrefixCache, seed: int | None = None) -> None:
         self.policy = policy
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)
 
-    @property
-    def computes_prefix(self) -> bool:
-        return self.policy in ("lpm", "dfs-weight")
-
     def calc_priority(self, queue: list[Req]) -> bool:
         """Reorder `queue` in place. Returns True if prefixes were matched here."""
         policy = self.policy
-        if policy in ("lpm", "dfs-weight") and (len(queue) > LPM_MAX_QUEUE or not hasattr(self.tree_cache, "root")):
+        tree = self.tree_cache if isinstance(self.tree_cache, RadixCache) else None  # ChunkCache matches nothing
+        if policy in ("lpm", "dfs-weight") and (len(queue) > LPM_MAX_QUEUE or tree is None):
             policy = "fcfs"
         if policy == "fcfs":
             return False
@@ -52,10 +51,10 @@ class SchedulePolicy:
             later = self._in_batch_duplicates(queue)
             queue.sort(key=lambda r: (id(r) in later, -len(r.prefix_indices)))
             return True
-        elif policy == "dfs-weight":
+        elif policy == "dfs-weight" and tree is not None:
             for r in queue:
-                r.init_next_round_input(self.tree_cache)
-            self._sort_dfs_weight(queue)
+                r.init_next_round_input(tree)
+            self._sort_dfs_weight(queue, tree.root)
             return True
         return False
 
@@ -73,7 +72,8 @@ class SchedulePolicy:
                 seen.add(head)
         return later
 
-    def _sort_dfs_weight(self, queue: list[Req]) -> None:
+    @staticmethod
+    def _sort_dfs_weight(queue: list[Req], root: TreeNode) -> None:
         """Visit the tree depth-first, heaviest subtree (most waiting requests) first,
         so requests sharing a prefix run back to back."""
         by_node: dict[int, list[Req]] = {}
@@ -92,7 +92,7 @@ class SchedulePolicy:
                 if weight.get(id(child)):
                     visit(child)
 
-        visit(self.tree_cache.root)
+        visit(root)
         queue[:] = order
 
 
@@ -114,7 +114,7 @@ class PrefillAdder:
     def __init__(
         self,
         page_size: int,
-        tree_cache: Any,
+        tree_cache: PrefixCache,
         allocator: TokenToKVPoolAllocator,
         running_batch: ScheduleBatch,
         new_token_ratio: float,

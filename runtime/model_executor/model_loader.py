@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from runtime.model_config import ModelConfig
-from runtime.models.layers import RMSNorm
+from runtime.layers.layernorm import RMSNorm
 from runtime.models.registry import get_model_class
 
 log = structlog.get_logger(__name__)

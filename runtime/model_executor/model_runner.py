@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.future_map import FutureMap
+from kernels.attention.base import AttentionBackend
+from runtime.model_executor.forward_batch import ForwardBatch
+from runtime.model_executor.future_map import FutureMap
 from runtime.mem.kv_pool import KVPool
-from runtime.sampler import SampleOutput, Sampler
-from runtime.schedule_batch import ModelWorkerBatch
-from runtime.scheduler_output import BatchResult
+from runtime.model_executor.sampler import SampleOutput, Sampler
+from runtime.model_executor.worker import BatchResult, ModelWorkerBatch, write_req_to_token
+
+if TYPE_CHECKING:
+    from runtime.model_executor.cuda_graph_runner import CudaGraphRunner
 
 
 class ModelRunner:
@@ -34,7 +37,7 @@ class ModelRunner:
         self,
         model: torch.nn.Module,
         kv_pool: KVPool,
-        attn_backend: Any,
+        attn_backend: AttentionBackend,
         num_rows: int,
         context_len: int,
         vocab_size: int,
@@ -47,7 +50,7 @@ class ModelRunner:
         self.req_to_token = torch.zeros((num_rows, context_len), dtype=torch.int32, device=self.device)
         self.sampler = Sampler(num_rows, vocab_size, self.device)
         self.futures: FutureMap | None = None
-        self.graph_runner: Any = None  # runtime.cuda_graph_runner.CudaGraphRunner, set by engine_setup
+        self.graph_runner: CudaGraphRunner | None = None  # set by engine_setup on CUDA
         self.stream: torch.cuda.Stream | None = None
         self._d2h: ThreadPoolExecutor | None = None
         if self.device.type == "cuda":
@@ -74,31 +77,12 @@ class ModelRunner:
     def _uses_graph(self, fb: ForwardBatch) -> bool:
         return self.graph_runner is not None and self.graph_runner.can_run(fb)
 
-    def _write_req_to_token(self, mwb: ModelWorkerBatch, out_cache_loc: torch.Tensor) -> None:
-        table, start = self.req_to_token, 0
-        for row, slots in mwb.row_syncs:
-            table[row, : slots.numel()] = self._upload(slots, torch.int32)
-        decode_rows, decode_pos, decode_tok = [], [], []
-        for i, (row, p, n) in enumerate(zip(mwb.req_pool_indices, mwb.extend_prefix_lens, mwb.extend_seq_lens)):
-            slots = mwb.prefix_slots[i]
-            if slots is None:
-                decode_rows.append(row)
-                decode_pos.append(p)
-                decode_tok.append(start)
-            else:
-                if p:
-                    table[row, :p] = self._upload(slots, torch.int32)
-                table[row, p : p + n] = out_cache_loc[start : start + n].to(torch.int32)
-            start += n
-        if decode_rows:
-            table[self._upload(decode_rows), self._upload(decode_pos)] = out_cache_loc[self._upload(decode_tok)].to(torch.int32)
-
     def build_forward_batch(self, mwb: ModelWorkerBatch) -> ForwardBatch:
         dev = self.device
         assert self.futures is not None
         input_ids = self.futures.resolve(self._upload(mwb.input_ids))
         out_cache_loc = self._upload(mwb.out_cache_loc)
-        self._write_req_to_token(mwb, out_cache_loc)
+        write_req_to_token(self.req_to_token, mwb, out_cache_loc, self._upload)
         prefix = self._upload(mwb.extend_prefix_lens)
         ext = self._upload(mwb.extend_seq_lens)
         if mwb.forward_mode.is_decode():
@@ -130,7 +114,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:
-        if self._uses_graph(fb):
+        if self.graph_runner is not None and self._uses_graph(fb):
             return self.graph_runner.replay(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
         if fb.forward_mode.is_decode():
@@ -211,5 +195,3 @@ class ModelRunner:
         executor.submit(run)
         return result
 
-
-__all__ = ["ModelRunner", "ForwardMode"]

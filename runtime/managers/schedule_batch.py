@@ -1,47 +1,25 @@
-"""ScheduleBatch (the scheduler's batch) and ModelWorkerBatch (what a forward needs).
+"""ScheduleBatch: the scheduler's batch.
 
 ScheduleBatch lives on the scheduler side and manipulates the memory pools;
-`get_model_worker_batch` snapshots just what the worker needs, so the scheduler
-can go on mutating the ScheduleBatch while that forward runs (overlap).
+`get_model_worker_batch` snapshots just what the worker needs (a ModelWorkerBatch),
+so the scheduler can go on mutating the ScheduleBatch while that forward runs
+(overlap).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import torch
 
-from runtime.forward_batch import ForwardMode
-from runtime.req import Req
-from runtime.sampling_info import SamplingBatchInfo
-
-if TYPE_CHECKING:
-    from runtime.mem.allocator import TokenToKVPoolAllocator
-    from runtime.mem.req_to_token_pool import ReqToTokenPool
-    from runtime.future_map import FutureMap
-
-
-@dataclass(slots=True)
-class ModelWorkerBatch:
-    forward_mode: ForwardMode
-    input_ids: torch.Tensor  # [T] int64; negative ids are futures the worker resolves
-    out_cache_loc: torch.Tensor  # [T] int64
-    req_pool_indices: list[int]
-    seq_lens: list[int]
-    extend_prefix_lens: list[int]
-    extend_seq_lens: list[int]
-    # For each extending request, the slots of row[:prefix] to (re)write in the
-    # worker's req_to_token; None for requests that extend by one decode token.
-    prefix_slots: list[torch.Tensor | None]
-    # (row, slots of row[:len]) the scheduler rewrote since the worker last saw the
-    # row; applied before this batch's own writes.
-    row_syncs: list[tuple[int, torch.Tensor]]
-    sampling: SamplingBatchInfo
-    future_ids: torch.Tensor  # [bs] negative ids under which this batch's next tokens are stored
-    top_logprobs_nums: list[int]  # -1 = no logprobs for that request
-    return_logprob: bool = False
+from runtime.managers.req import Req
+from runtime.mem.allocator import TokenToKVPoolAllocator
+from runtime.mem.prefix_cache import PrefixCache
+from runtime.mem.req_to_token_pool import ReqToTokenPool
+from runtime.model_executor.forward_batch import ForwardMode
+from runtime.model_executor.future_map import FutureMap
+from runtime.model_executor.sampling_info import PenaltyReset, SamplingBatchInfo
+from runtime.model_executor.worker import ModelWorkerBatch
 
 
 @dataclass
@@ -49,7 +27,7 @@ class ScheduleBatch:
     reqs: list[Req]
     req_to_token_pool: ReqToTokenPool
     allocator: TokenToKVPoolAllocator
-    tree_cache: object
+    tree_cache: PrefixCache
     forward_mode: ForwardMode = ForwardMode.IDLE
     # Per request, aligned with `reqs`.
     seq_lens: list[int] = field(default_factory=list)
@@ -60,7 +38,6 @@ class ScheduleBatch:
     prefix_slots: list[torch.Tensor | None] = field(default_factory=list)
     # Next-token placeholder of each request (a future id < 0), set at launch.
     next_input: list[int] = field(default_factory=list)
-    chunked_req: Req | None = None
     decoding_reqs: list[Req] = field(default_factory=list)  # decodes riding in a MIXED batch
     batch_is_full: bool = False
     epochs: list[int] = field(default_factory=list)
@@ -78,7 +55,7 @@ class ScheduleBatch:
     def _evict_for(self, num_tokens: int) -> None:
         short = num_tokens - self.allocator.available_size()
         if short > 0:
-            self.tree_cache.evict(short)  # type: ignore[attr-defined]
+            self.tree_cache.evict(short)
 
     def _alloc_extend(self, prefix_lens: list[int], extend_lens: list[int], rows: list[int]) -> torch.Tensor:
         table = self.req_to_token_pool.req_to_token
@@ -102,18 +79,18 @@ class ScheduleBatch:
                 if row is None:
                     raise RuntimeError("request pool exhausted; PrefillAdder admitted too many requests")
                 req.req_pool_idx = row
-        rows = [r.req_pool_idx for r in self.reqs]
+        rows = [r.row for r in self.reqs]
         self.prefix_lens = [len(r.prefix_indices) for r in self.reqs]
         self.extend_lens = [r.extend_input_len for r in self.reqs]
         self.seq_lens = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
         for req, row, p in zip(self.reqs, rows, self.prefix_lens):
             if p:
-                pool.write(row, 0, req.prefix_indices)  # type: ignore[arg-type]
-        self.out_cache_loc = self._alloc_extend(self.prefix_lens, self.extend_lens, rows)  # type: ignore[arg-type]
+                pool.write(row, 0, req.prefix_indices)
+        out_cache_loc = self.out_cache_loc = self._alloc_extend(self.prefix_lens, self.extend_lens, rows)
         start = 0
         ids: list[int] = []
         for req, row, p, n in zip(self.reqs, rows, self.prefix_lens, self.extend_lens):
-            pool.write(row, p, self.out_cache_loc[start : start + n])  # type: ignore[arg-type]
+            pool.write(row, p, out_cache_loc[start : start + n])
             ids.extend(req.fill_ids[p : p + n])
             start += n
             if req.first_scheduled_time is None:
@@ -130,8 +107,10 @@ class ScheduleBatch:
         self.prefix_lens = self.prefix_lens + [s - 1 for s in running.seq_lens]
         self.extend_lens = self.extend_lens + [1] * running.batch_size()
         self.seq_lens = self.seq_lens + running.seq_lens
-        self.input_ids = torch.cat([self.input_ids, running.input_ids])  # type: ignore[list-item]
-        self.out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])  # type: ignore[list-item]
+        assert self.input_ids is not None and running.input_ids is not None
+        assert self.out_cache_loc is not None and running.out_cache_loc is not None
+        self.input_ids = torch.cat([self.input_ids, running.input_ids])
+        self.out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])
         self.prefix_slots = self.prefix_slots + [None] * running.batch_size()
 
     def decode_tokens_needed(self) -> int:
@@ -153,7 +132,7 @@ class ScheduleBatch:
         """One new token per request; its input is the request's future placeholder."""
         self.forward_mode = ForwardMode.DECODE
         pool = self.req_to_token_pool
-        rows = [r.req_pool_idx for r in self.reqs]
+        rows = [r.row for r in self.reqs]
         self._evict_for(self.decode_tokens_needed())
         self.seq_lens = [s + 1 for s in self.seq_lens]
         self.prefix_lens = [s - 1 for s in self.seq_lens]
@@ -185,7 +164,7 @@ class ScheduleBatch:
                 raise RuntimeError("KV pool too small for a single request; admission should have rejected it")
             i = order.pop()
             req = self.reqs[i]
-            self.tree_cache.cache_finished_req(req, kv_len=self.seq_lens[i])  # type: ignore[attr-defined]
+            self.tree_cache.cache_finished_req(req, kv_len=self.seq_lens[i])
             req.reset_for_retract()
             retracted.append(req)
             self.filter_batch([j for j in range(self.batch_size()) if j != i])
@@ -224,13 +203,13 @@ class ScheduleBatch:
             if r.row_dirty:
                 r.row_dirty = False
                 if slots is None:  # an extend rewrites its whole prefix anyway
-                    row_syncs.append((r.req_pool_idx, self.req_to_token_pool.req_to_token[r.req_pool_idx, :p].clone()))
+                    row_syncs.append((r.row, self.req_to_token_pool.req_to_token[r.row, :p].clone()))
         assert self.input_ids is not None and self.out_cache_loc is not None
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
             input_ids=self.input_ids,
             out_cache_loc=self.out_cache_loc,
-            req_pool_indices=[r.req_pool_idx for r in self.reqs],  # type: ignore[misc]
+            req_pool_indices=[r.row for r in self.reqs],
             seq_lens=list(self.seq_lens),
             extend_prefix_lens=list(self.prefix_lens),
             extend_seq_lens=list(self.extend_lens),
@@ -244,9 +223,9 @@ class ScheduleBatch:
 
     def _sampling_info(self) -> SamplingBatchInfo:
         if not self.forward_mode.is_decode():
-            return SamplingBatchInfo.from_reqs(self.reqs, self.forward_mode, self.prefix_slots)
+            return sampling_info_of(self.reqs, self.forward_mode, self.prefix_slots)
         if self._decode_sampling is None:
-            self._decode_sampling = SamplingBatchInfo.from_reqs(self.reqs, self.forward_mode, self.prefix_slots)
+            self._decode_sampling = sampling_info_of(self.reqs, self.forward_mode, self.prefix_slots)
         return self._decode_sampling
 
     def copy_for_result(self) -> ScheduleBatch:
@@ -261,7 +240,39 @@ class ScheduleBatch:
             prefix_lens=list(self.prefix_lens),
             extend_lens=list(self.extend_lens),
             out_cache_loc=self.out_cache_loc,
-            chunked_req=self.chunked_req,
             decoding_reqs=list(self.decoding_reqs),
             epochs=list(self.epochs),
         )
+
+
+def sampling_info_of(reqs: list[Req], mode: ForwardMode, prefix_slots: list[torch.Tensor | None]) -> SamplingBatchInfo:
+    sps = [r.sampling_params for r in reqs]
+    temps = [0.0 if sp.is_greedy else sp.temperature for sp in sps]
+    penalized, rows, resets, stop_ids = [], [], [], []
+    for i, (r, sp) in enumerate(zip(reqs, sps)):
+        if (sp.has_penalty or sp.min_new_tokens > 0) and not r.is_chunked:
+            penalized.append(i)
+            rows.append(r.row)
+            stop_ids.append(sorted(r.stop_token_ids))
+            if mode.is_extend() and prefix_slots[i] is not None:
+                resets.append(PenaltyReset(r.row, r.origin_input_ids, list(r.output_ids)))
+    psp = [sps[i] for i in penalized]
+    return SamplingBatchInfo(
+        temperatures=torch.tensor(temps, dtype=torch.float32),
+        top_ps=torch.tensor([sp.top_p for sp in sps], dtype=torch.float32),
+        top_ks=torch.tensor([sp.top_k for sp in sps], dtype=torch.int64),
+        min_ps=torch.tensor([sp.min_p for sp in sps], dtype=torch.float32),
+        is_all_greedy=all(t == 0.0 for t in temps),
+        need_top_p=any(sp.top_p < 1.0 for sp in sps),
+        need_top_k=any(sp.top_k > 1 for sp in sps),
+        need_min_p=any(sp.min_p > 0.0 for sp in sps),
+        generators=[r.generator for r in reqs],
+        penalized=penalized,
+        penalized_rows=rows,
+        frequency=torch.tensor([sp.frequency_penalty for sp in psp], dtype=torch.float32),
+        presence=torch.tensor([sp.presence_penalty for sp in psp], dtype=torch.float32),
+        repetition=torch.tensor([sp.repetition_penalty for sp in psp], dtype=torch.float32),
+        min_new_tokens=torch.tensor([sp.min_new_tokens for sp in psp], dtype=torch.int64),
+        stop_ids=stop_ids,
+        resets=resets,
+    )

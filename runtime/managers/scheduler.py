@@ -1,9 +1,10 @@
-"""Scheduler: the coroutine that owns waiting_queue, running_batch and chunked_req.
+"""Scheduler: the coroutine that owns the running batch and ends every request.
 
 Each round: get_next_batch_to_run() -> launch the forward on the worker executor
 -> process_batch_result(). With overlap on, round N+1's batch is built and
 launched before round N's result is processed, so the worker never waits on
 the scheduler; inputs that depend on round N are future ids (see future_map.py).
+The waiting queue and the chunked request live in the PrefillManager.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from typing import Any
 import structlog
 
 from config.settings import EngineSettings
-from runtime.forward_batch import ForwardMode
-from runtime.future_map import FutureMap
-from runtime.req import FinishReason, Req
-from runtime.schedule_batch import ScheduleBatch
-from runtime.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
-from runtime.scheduler_output import BatchResult, OutputProcessor
-from runtime.scheduler_stats import SchedulerStats
+from runtime.managers.prefill_manager import PrefillManager
+from runtime.managers.req import FinishReason, Req
+from runtime.managers.schedule_batch import ScheduleBatch
+from runtime.managers.scheduler_output import OutputProcessor
+from runtime.managers.scheduler_stats import LoadSnapshot, SchedulerStats
+from runtime.mem.pools import MemoryPools
+from runtime.model_executor.forward_batch import ForwardMode
+from runtime.model_executor.future_map import FutureMap
+from runtime.model_executor.worker import BatchResult, Worker
 
 log = structlog.get_logger("sluice.scheduler")
 
@@ -31,33 +34,32 @@ INIT_NEW_TOKEN_RATIO = 0.7  # share of max_new_tokens reserved per running reque
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # floor = INIT * this * conservativeness
 NEW_TOKEN_RATIO_DECAY_STEPS = 600  # decode steps to decay from INIT to the floor
 
+Pending = collections.deque[tuple[ScheduleBatch, "Future[BatchResult]"]]
+
+
+def aborted(message: str = "aborted") -> FinishReason:
+    return FinishReason("abort", message=message)
+
 
 class Scheduler:
-    def __init__(
-        self,
-        settings: EngineSettings,
-        pools: Any,  # runtime.engine_setup.Pools
-        runner: Any,  # runtime.model_runner.ModelRunner
-        output: OutputProcessor,
-    ) -> None:
+    def __init__(self, settings: EngineSettings, pools: MemoryPools, worker: Worker, output: OutputProcessor) -> None:
         self.settings = settings
+        self.pools = pools
         self.req_to_token_pool = pools.req_to_token_pool
         self.allocator = pools.allocator
         self.tree_cache = pools.tree_cache
         self.max_total_num_tokens = pools.max_total_num_tokens
         self.max_running_requests = settings.max_running_requests or 1
         self.page_size = settings.page_size
-        self.runner = runner
+        self.worker = worker
         self.output = output
-        self.policy = SchedulePolicy(settings.schedule_policy, self.tree_cache, settings.random_seed)
-        self.futures = FutureMap(capacity=4 * self.max_running_requests + 4 * (settings.max_prefill_tokens + 8), device=runner.device)
-        runner.attach_future_map(self.futures)
-        self.chunked_prefill_size = None if settings.chunked_prefill_size in (None, -1) else settings.chunked_prefill_size
+        self.stats = SchedulerStats(settings.decode_log_interval)
+        self.prefill = PrefillManager(settings, pools, self.stats)
+        self.futures = FutureMap(capacity=4 * self.max_running_requests + 4 * (settings.max_prefill_tokens + 8), device=worker.device)
+        worker.attach_future_map(self.futures)
         self.enable_overlap = not settings.disable_overlap_schedule
 
-        self.waiting_queue: list[Req] = []
         self.running_batch = self._empty_batch()
-        self.chunked_req: Req | None = None
         self.last_batch: ScheduleBatch | None = None
         self.reqs_by_rid: dict[str, Req] = {}
 
@@ -72,10 +74,17 @@ class Scheduler:
         self._stopped = False
         self.inflight = 0  # forwards launched but not yet processed
         self._idle = asyncio.Event()
-        self.stats = SchedulerStats(settings.decode_log_interval)
 
     def _empty_batch(self) -> ScheduleBatch:
         return ScheduleBatch([], self.req_to_token_pool, self.allocator, self.tree_cache)
+
+    @property
+    def waiting_queue(self) -> list[Req]:
+        return self.prefill.waiting_queue
+
+    @property
+    def chunked_req(self) -> Req | None:
+        return self.prefill.chunked_req
 
     # ---- requests in/out --------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -93,16 +102,25 @@ class Scheduler:
             req.to_abort = True
             if req in self.waiting_queue:
                 self.waiting_queue.remove(req)
-                req.finished_reason = FinishReason("abort", message="aborted")
-                self._release_waiting(req)
-                self._on_finished(req)
-                self.output.emit(req)
+                self.finish(req, aborted())
         self._wake.set()
 
-    def _release_waiting(self, req: Req) -> None:
-        """A waiting request may still borrow a radix prefix (policy matching)."""
-        req.prefix_indices = req.prefix_indices[:0]
-        req.last_node = None
+    def finish(self, req: Req, reason: FinishReason, kv_len: int = 0) -> None:
+        """The one place a request ends: set its reason, release its memory, count
+        it, and send its last output.
+
+        A request holding a row donates the KV of its first `kv_len` tokens (what
+        its last forward computed) to the prefix cache and gives the row back; a
+        waiting one only drops its unlocked prefix match."""
+        assert not req.finished(), f"{req.rid} finished twice"
+        req.finished_reason = reason
+        if req.req_pool_idx is not None:
+            self.tree_cache.cache_finished_req(req, kv_len=kv_len)
+        else:
+            PrefillManager.release_waiting(req)
+        self.reqs_by_rid.pop(req.rid, None)
+        self.stats.on_finished(req)
+        self.output.emit(req)
 
     @property
     def num_running_reqs(self) -> int:
@@ -138,13 +156,26 @@ class Scheduler:
         self.last_batch = None
         return True
 
+    def snapshot(self) -> LoadSnapshot:
+        return LoadSnapshot(
+            max_total_num_tokens=self.max_total_num_tokens,
+            available_kv_tokens=self.allocator.available_size(),
+            evictable_kv_tokens=self.tree_cache.evictable_size(),
+            num_running_reqs=self.num_running_reqs,
+            num_waiting_reqs=len(self.waiting_queue),
+            req_pool_free_rows=self.req_to_token_pool.available_size(),
+            req_pool_size=self.req_to_token_pool.size,
+            max_running_requests=self.max_running_requests,
+            context_len=self.req_to_token_pool.context_len,
+        )
+
     def server_info(self) -> dict[str, Any]:
-        return self.stats.server_info(self)
+        return self.stats.server_info(self.snapshot())
 
     # ---- the loop ----------------------------------------------------------------
     async def event_loop(self) -> None:
         while not self._stopped:
-            pending: collections.deque[tuple[ScheduleBatch, Future[BatchResult]]] = collections.deque()
+            pending: Pending = collections.deque()
             try:
                 await self._run_rounds(pending)
             except Exception as exc:  # never leave callers hanging on a dead scheduler
@@ -156,21 +187,22 @@ class Scheduler:
 
     def _fail_all(self, exc: Exception) -> None:
         reqs = list(self.reqs_by_rid.values())
-        self.waiting_queue, self.running_batch, self.chunked_req, self.last_batch = [], self._empty_batch(), None, None
+        self.prefill.waiting_queue, self.prefill.chunked_req = [], None
+        self.running_batch, self.last_batch = self._empty_batch(), None
         self.req_to_token_pool.clear()
         self.allocator.clear()
         self.tree_cache.reset()
         self.inflight = 0
-        for req in reqs:
-            req.finished_reason = FinishReason("abort", message=f"internal error: {exc}")
-            self._on_finished(req)
-            self.output.emit(req)
+        for req in reqs:  # the pools were reset wholesale: nothing left to release
+            req.req_pool_idx = None
+            self.finish(req, aborted(f"internal error: {exc}"))
 
-    async def _run_rounds(self, pending: collections.deque[tuple[ScheduleBatch, Future[BatchResult]]]) -> None:
+    async def _run_rounds(self, pending: Pending) -> None:
         while not self._stopped:
             batch = self.get_next_batch_to_run()
             if batch is not None:
-                pending.append(self._launch(batch))
+                mwb = batch.get_model_worker_batch(self.futures)
+                pending.append((batch.copy_for_result(), self.worker.launch(self.executor, mwb)))
             # With overlap, the previous batch is processed while this one runs.
             depth = 1 if self.enable_overlap and batch is not None else 0
             while len(pending) > depth:
@@ -197,43 +229,24 @@ class Scheduler:
         self._stopped = True
         self._wake.set()
 
-    def _launch(self, batch: ScheduleBatch) -> tuple[ScheduleBatch, Future[BatchResult]]:
-        mwb = batch.get_model_worker_batch(self.futures)
-        launch = getattr(self.runner, "launch", None)  # ModelRunner.launch; bench stubs only forward
-        fut = launch(self.executor, mwb) if launch else self.executor.submit(self.runner.forward_batch_generation, mwb)
-        return batch.copy_for_result(), fut
-
     # ---- building batches ------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        if self.chunked_req is not None:
-            if self.chunked_req.to_abort:
-                self._finish_aborted_chunked_req()
+        chunked = self.chunked_req
+        if chunked is not None:
+            if chunked.to_abort:
+                self.prefill.chunked_req = None
+                self.finish(chunked, aborted(), kv_len=len(chunked.fill_ids))
             else:
-                self.tree_cache.cache_unfinished_req(self.chunked_req)
+                self.tree_cache.cache_unfinished_req(chunked)
 
         last = self.last_batch
         # With overlap `last` is still running; requests it brings to max_new_tokens
         # end there, so the next batch leaves them out rather than run one step past.
         ends = self.inflight > 0 and last is not None
-        if ends and last.forward_mode.is_decode():  # type: ignore[union-attr]
+        if ends and last is not None and last.forward_mode.is_decode():
             self.running_batch.drop_reqs_ending_in_flight()
         if last is not None and last.forward_mode.is_extend():
-            # Prompts enter the tree as soon as their prefill is scheduled, so the
-            # next batch already shares them (the worker runs forwards in order).
-            for r in last.reqs[: last.batch_size() - len(last.decoding_reqs)]:
-                if r.req_pool_idx is not None and not r.finished() and r is not self.chunked_req:
-                    r.row_dirty |= self.tree_cache.cache_unfinished_req(r)
-            keep = [i for i, r in enumerate(last.reqs) if not r.finished() and r is not self.chunked_req and r.req_pool_idx is not None]
-            last.filter_batch(keep)
-            if ends:
-                last.drop_reqs_ending_in_flight()
-            if not last.is_empty():
-                if self.running_batch.is_empty():
-                    self.running_batch = last
-                else:
-                    self.running_batch.merge_batch(last)
-                self.running_batch.forward_mode = ForwardMode.DECODE
-            self.last_batch = None
+            self._merge_prefilled(last, ends)
 
         # Between two chunks of a long prompt, running requests get a decode round
         # (unless they ride along in mixed batches): streams keep flowing.
@@ -245,88 +258,42 @@ class Scheduler:
             and not self.running_batch.is_empty()
         )
         if not chunk_waits:
-            new_batch = self.get_new_batch_prefill()
+            new_batch = self._get_new_batch_prefill()
             if new_batch is not None:
                 return new_batch
         return self.update_running_batch()
 
-    def _finish_aborted_chunked_req(self) -> None:
-        req = self.chunked_req
-        assert req is not None
-        self.chunked_req = None
-        req.finished_reason = FinishReason("abort", message="aborted")
-        self.tree_cache.cache_finished_req(req, kv_len=len(req.fill_ids))
-        self._on_finished(req)
-        self.output.emit(req)
+    def _merge_prefilled(self, last: ScheduleBatch, ends: bool) -> None:
+        """Requests whose prefill `last` ran join the running batch."""
+        # Prompts enter the tree as soon as their prefill is scheduled, so the
+        # next batch already shares them (the worker runs forwards in order).
+        for r in last.reqs[: last.batch_size() - len(last.decoding_reqs)]:
+            if r.req_pool_idx is not None and not r.finished() and r is not self.chunked_req:
+                r.row_dirty |= self.tree_cache.cache_unfinished_req(r)
+        keep = [i for i, r in enumerate(last.reqs) if not r.finished() and r is not self.chunked_req and r.req_pool_idx is not None]
+        last.filter_batch(keep)
+        if ends:
+            last.drop_reqs_ending_in_flight()
+        if not last.is_empty():
+            if self.running_batch.is_empty():
+                self.running_batch = last
+            else:
+                self.running_batch.merge_batch(last)
+            self.running_batch.forward_mode = ForwardMode.DECODE
+        self.last_batch = None
 
-    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+    def _get_new_batch_prefill(self) -> ScheduleBatch | None:
         running = self.running_batch
-        if (running.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
+        new = self.prefill.get_new_batch_prefill(running, self.new_token_ratio, self.max_running_requests, self.snapshot)
+        if new is None:
             return None
-        running_bs = running.batch_size()
-        room = min(self.max_running_requests - running_bs, self.req_to_token_pool.available_size())
-        if room <= 0 and self.chunked_req is None:
-            running.batch_is_full = True
-            return None
-
-        prefix_done = self.policy.calc_priority(self.waiting_queue)
-        mixed = self.settings.enable_mixed_chunk and running_bs > 0
-        if mixed and self.chunked_prefill_size is not None and self.chunked_prefill_size - running_bs < self.page_size:
-            mixed = False  # leave the chunked request room to progress
-        adder = PrefillAdder(
-            self.page_size,
-            self.tree_cache,
-            self.allocator,
-            running,
-            self.new_token_ratio,
-            self.settings.max_prefill_tokens,
-            self.chunked_prefill_size,
-            running_bs if mixed else 0,
-        )
-        if self.chunked_req is not None:
-            self.chunked_req.init_next_round_input()
-            self.chunked_req = adder.add_chunked_req(self.chunked_req)
-
-        for req in self.waiting_queue:
-            if running_bs + len(adder.can_run_list) >= self.max_running_requests or len(adder.can_run_list) >= room:
-                running.batch_is_full = True
-                break
-            if not prefix_done:
-                req.init_next_round_input(self.tree_cache)
-            result = adder.add_req(req)
-            if result != AddReqResult.CONTINUE:
-                if result == AddReqResult.NO_TOKEN:
-                    running.batch_is_full = True
-                break
-
-        can_run = adder.can_run_list
-        if not can_run:
-            return None
-        admitted = {id(r) for r in can_run}
-        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
-        for r in self.waiting_queue:
-            if prefix_done or r.last_node is not None:
-                self._release_waiting(r)
-        if adder.new_chunked_req is not None:
-            assert self.chunked_req is None
-            self.chunked_req = adder.new_chunked_req
-        if self.chunked_req is not None:
-            self.chunked_req.is_chunked += 1
-            self.stats.add("num_chunked_prefills")
-        for r in can_run:
-            if r.first_scheduled_time is None:  # first prefill (not a later chunk or a re-prefill)
-                r.cached_tokens = len(r.prefix_indices)
-
-        batch = ScheduleBatch(can_run, self.req_to_token_pool, self.allocator, self.tree_cache, chunked_req=self.chunked_req)
-        batch.prepare_for_extend()
-        self.stats.log_prefill(self, len(can_run), adder.log_input_tokens, adder.log_hit_tokens, running_bs)
-        if mixed:
-            self.running_batch.filter_batch([i for i, r in enumerate(running.reqs) if not r.finished()])
-            if not self.running_batch.is_empty() and self.running_batch.check_decode_mem():
-                batch.mix_with_running(self.running_batch)
+        if new.mix_running:
+            running.filter_batch([i for i, r in enumerate(running.reqs) if not r.finished()])
+            if not running.is_empty() and running.check_decode_mem():
+                new.batch.mix_with_running(running)
                 self.running_batch = self._empty_batch()
                 self.stats.add("num_mixed_batches")
-        return batch
+        return new.batch
 
     def update_running_batch(self) -> ScheduleBatch | None:
         batch = self.running_batch
@@ -342,7 +309,7 @@ class Scheduler:
         if batch.is_empty():
             return None
         batch.prepare_for_decode()
-        self.stats.on_decode_step(self)
+        self.stats.on_decode_step(self.snapshot)
         return batch
 
     def retract_decode(self, batch: ScheduleBatch) -> None:
@@ -357,6 +324,7 @@ class Scheduler:
         token_pos = num_tokens = 0
         n_extend = batch.batch_size() - len(batch.decoding_reqs) if batch.forward_mode.is_extend() else 0
         output = self.output
+        assert batch.out_cache_loc is not None
         for i, req in enumerate(batch.reqs):
             token_pos += batch.extend_lens[i]
             if req.epoch != batch.epochs[i]:
@@ -370,31 +338,26 @@ class Scheduler:
                 # Overlap ran one step past the finish: return that step's KV slot
                 # unless it shares the (already released) tail page.
                 if (batch.seq_lens[i] - 1) % self.page_size == 0:
-                    self.allocator.free(batch.out_cache_loc[token_pos - 1 : token_pos])  # type: ignore[index]
+                    self.allocator.free(batch.out_cache_loc[token_pos - 1 : token_pos])
                 continue
+            reason: FinishReason | None
             if req.to_abort:
-                req.finished_reason = FinishReason("abort", message="aborted")
+                reason = aborted()
             elif req.sampling_params.max_new_tokens == 0:
-                req.finished_reason = FinishReason("length", 0)
+                reason = FinishReason("length", 0)
             else:
                 num_tokens += 1
                 req.output_ids.append(result.next_token_ids[i])
                 if req.return_logprob:
-                    result.append_logprobs(req, i)
-                req.check_finished()
+                    req.append_logprobs(result, i)
+                reason = req.check_finished()
+                if reason is None and (stop := output.matched_stop(req)) is not None:
+                    reason = FinishReason("stop", stop)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            output.step(req)  # detokenize; may finish the request on a stop string
-            if req.finished():
+            if reason is not None:
                 # This forward wrote KV for positions < seq_len; later ones have none.
-                self.tree_cache.cache_finished_req(req, kv_len=batch.seq_lens[i])
-                self._on_finished(req)
-            output.emit(req)
+                self.finish(req, reason, kv_len=batch.seq_lens[i])
+            elif not output.emit(req):
+                req.to_abort = True  # the consumer is gone: end it at its next result
         self.stats.add("generation_tokens_total", num_tokens)
-
-    def _on_finished(self, req: Req) -> None:
-        self.reqs_by_rid.pop(req.rid, None)
-        self.stats.on_finished(req)
-
-    def token_usage(self) -> float:
-        return self.stats.token_usage(self)

@@ -1,30 +1,13 @@
-"""What comes back from a forward (BatchResult) and what goes out to callers."""
+"""OutputProcessor: what goes out to callers (detokenized chunks through each request's sink)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from runtime.detokenizer import IncrementalDetokenizer
-from runtime.req import FinishReason, Req
-
-
-@dataclass(slots=True)
-class BatchResult:
-    next_token_ids: list[int]  # [bs]
-    token_logprobs: list[float] | None = None  # [bs]
-    top_logprobs: list[list[float]] | None = None  # [bs][k]
-    top_ids: list[list[int]] | None = None
-
-    def append_logprobs(self, req: Req, i: int) -> None:
-        if self.token_logprobs is None:
-            return
-        req.output_token_logprobs.append((self.token_logprobs[i], self.next_token_ids[i]))
-        if req.top_logprobs_num > 0 and self.top_logprobs is not None and self.top_ids is not None:
-            k = req.top_logprobs_num
-            req.output_top_logprobs.append(list(zip(self.top_logprobs[i][:k], self.top_ids[i][:k])))
+from runtime.managers.detokenizer import IncrementalDetokenizer
+from runtime.managers.req import Req
 
 
 Sink = Callable[[dict[str, Any]], None]
@@ -54,24 +37,25 @@ class OutputProcessor:
         )
         self.sinks[req.rid] = (sink, stream)
 
-    def step(self, req: Req) -> None:
-        """Check stop strings after a new token. Without stop strings nothing is
-        decoded here: text is only needed when a chunk is emitted."""
+    def matched_stop(self, req: Req) -> str | None:
+        """The stop string the output now ends in, if any (after a new token). Without
+        stop strings nothing is decoded here: text is only needed when a chunk is emitted."""
         detok = self.detoks.get(req.rid)
         if detok is None or not detok.stop:
-            return
+            return None
         detok.feed(req.output_ids, check_stop=len(req.output_ids) >= req.sampling_params.min_new_tokens)
-        if detok.matched_stop is not None and not req.finished():
-            req.finished_reason = FinishReason("stop", detok.matched_stop)
+        return detok.matched_stop
 
-    def emit(self, req: Req) -> None:
+    def emit(self, req: Req) -> bool:
+        """Hand the request's new output to its sink. False if the consumer is gone
+        (the scheduler then aborts the request)."""
         entry = self.sinks.get(req.rid)
         if entry is None:
-            return
+            return True
         sink, stream = entry
         finished = req.finished()
         if not (stream or finished):
-            return
+            return True
         detok = self.detoks[req.rid]
         detok.feed(req.output_ids, check_stop=len(req.output_ids) >= req.sampling_params.min_new_tokens)
         delta = detok.release(finished)
@@ -81,10 +65,10 @@ class OutputProcessor:
             self.detoks.pop(req.rid, None)
         try:
             sink(self._chunk(req, detok.output_text, delta))
-        except Exception:  # the consumer is gone: stop generating for it
-            if not finished:
-                req.to_abort = True
-                del self.sinks[req.rid]
+        except Exception:  # the consumer is gone
+            self.sinks.pop(req.rid, None)
+            return False
+        return True
 
     @staticmethod
     def _chunk(req: Req, text: str, delta: str) -> dict[str, Any]:

@@ -1,18 +1,41 @@
-"""Scheduler counters, the SGLang-style log lines, and the server-info snapshot."""
+"""Scheduler counters, the SGLang-style log lines, and the server-info snapshot.
+
+The stats never see the Scheduler: it hands them a `LoadSnapshot` of its queues
+and pools each time they log or report.
+"""
 
 from __future__ import annotations
 
 import collections
+import collections.abc
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import structlog
 
-if TYPE_CHECKING:
-    from runtime.req import Req
-    from runtime.scheduler import Scheduler
+from runtime.managers.req import Req
 
 log = structlog.get_logger("sluice.scheduler")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    max_total_num_tokens: int
+    available_kv_tokens: int
+    evictable_kv_tokens: int
+    num_running_reqs: int
+    num_waiting_reqs: int
+    req_pool_free_rows: int
+    req_pool_size: int
+    max_running_requests: int
+    context_len: int
+
+    @property
+    def token_usage(self) -> float:
+        """Share of the KV pool held by requests (cached-but-evictable tokens count as free)."""
+        used = self.max_total_num_tokens - self.available_kv_tokens - self.evictable_kv_tokens
+        return used / self.max_total_num_tokens
 
 
 class SchedulerStats:
@@ -38,40 +61,33 @@ class SchedulerStats:
         if req.finished_reason is not None and req.finished_reason.type == "abort":
             c["num_aborted_requests_total"] += 1
 
-    @staticmethod
-    def token_usage(s: Scheduler) -> float:
-        used = s.max_total_num_tokens - s.allocator.available_size() - s.tree_cache.evictable_size()
-        return used / s.max_total_num_tokens
-
-    def log_prefill(self, s: Scheduler, new_seq: int, new_tokens: int, cached_tokens: int, running_bs: int) -> None:
+    def log_prefill(self, s: LoadSnapshot, new_seq: int, new_tokens: int, cached_tokens: int, running_bs: int) -> None:
         log.info(
             f"Prefill batch. #new-seq: {new_seq}, #new-token: {new_tokens}, #cached-token: {cached_tokens}, "
-            f"token usage: {self.token_usage(s):.2f}, #running-req: {running_bs}, #queue-req: {len(s.waiting_queue)}"
+            f"token usage: {s.token_usage:.2f}, #running-req: {running_bs}, #queue-req: {s.num_waiting_reqs}"
         )
 
-    def on_decode_step(self, s: Scheduler) -> None:
+    def on_decode_step(self, snapshot: collections.abc.Callable[[], LoadSnapshot]) -> None:
+        """Count a decode step; every `decode_log_interval` steps, log the line SGLang logs."""
         self.decode_steps += 1
         if self.decode_steps % self.decode_log_interval:
             return
+        s = snapshot()
         now, gen = time.monotonic(), self.counters["generation_tokens_total"]
         self.gen_throughput = (gen - self._last_log_tokens) / max(now - self._last_log_time, 1e-6)
         self._last_log_time, self._last_log_tokens = now, gen
         log.info(
-            f"Decode batch. #running-req: {s.running_batch.batch_size()}, "
-            f"#token: {s.max_total_num_tokens - s.allocator.available_size()}, "
-            f"token usage: {self.token_usage(s):.2f}, gen throughput (token/s): {self.gen_throughput:.2f}, "
-            f"#queue-req: {len(s.waiting_queue)}"
+            f"Decode batch. #running-req: {s.num_running_reqs}, "
+            f"#token: {s.max_total_num_tokens - s.available_kv_tokens}, "
+            f"token usage: {s.token_usage:.2f}, gen throughput (token/s): {self.gen_throughput:.2f}, "
+            f"#queue-req: {s.num_waiting_reqs}"
         )
 
-    def server_info(self, s: Scheduler) -> dict[str, Any]:
+    def server_info(self, s: LoadSnapshot) -> dict[str, Any]:
         c = self.counters
         return {
-            "max_total_num_tokens": s.max_total_num_tokens,
-            "available_kv_tokens": s.allocator.available_size(),
-            "evictable_kv_tokens": s.tree_cache.evictable_size(),
-            "num_running_reqs": s.num_running_reqs,
-            "num_waiting_reqs": len(s.waiting_queue),
-            "token_usage": self.token_usage(s),
+            **asdict(s),
+            "token_usage": s.token_usage,
             "cache_hit_rate": c["cached_tokens_total"] / max(c["prompt_tokens_total"], 1),
             "gen_throughput": self.gen_throughput,
             "num_retracted_reqs_total": c["num_retracted_reqs_total"],
@@ -80,8 +96,4 @@ class SchedulerStats:
             "generation_tokens_total": c["generation_tokens_total"],
             "cached_tokens_total": c["cached_tokens_total"],
             "num_aborted_requests_total": c["num_aborted_requests_total"],
-            "req_pool_free_rows": s.req_to_token_pool.available_size(),
-            "req_pool_size": s.req_to_token_pool.size,
-            "max_running_requests": s.max_running_requests,
-            "context_len": s.req_to_token_pool.context_len,
         }

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from kernels.sampling import filter_min_p, filter_top_k_top_p, sample_no_sync
-from runtime.sampling_info import SamplingBatchInfo
+from runtime.model_executor.sampling_info import SamplingBatchInfo
 
 
 class SampleOutput(NamedTuple):

@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from runtime.model_executor.worker import BatchResult
 from runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from runtime.mem.prefix_cache import PrefixCache
     from runtime.mem.radix_cache import TreeNode
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -92,10 +94,16 @@ class Req:
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
 
+    @property
+    def row(self) -> int:
+        """The request's req_to_token row; only while it holds one."""
+        assert self.req_pool_idx is not None, f"{self.rid} holds no row"
+        return self.req_pool_idx
+
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    def init_next_round_input(self, tree_cache: Any | None = None) -> None:
+    def init_next_round_input(self, tree_cache: PrefixCache | None = None) -> None:
         """Recompute fill_ids; with a tree, re-match the longest cached prefix.
 
         At least one token is always left to compute, so the forward yields logits.
@@ -106,23 +114,26 @@ class Req:
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
     # ---- stop conditions ---------------------------------------------------------
-    def check_finished(self) -> None:
-        """Token-level stop conditions; stop strings are checked by the detokenizer."""
-        if self.finished():
-            return
-        if self.to_abort:
-            self.finished_reason = FinishReason("abort", message="aborted")
-            return
+    def check_finished(self) -> FinishReason | None:
+        """Token-level stop conditions after a new token (stop strings are the
+        OutputProcessor's). Returns the reason; the scheduler's `finish` applies it."""
         sp = self.sampling_params
         n_out = len(self.output_ids)
         if n_out >= sp.max_new_tokens:
-            self.finished_reason = FinishReason("length", sp.max_new_tokens)
-            return
+            return FinishReason("length", sp.max_new_tokens)
         if n_out == 0 or n_out < sp.min_new_tokens:
-            return
+            return None
         last = self.output_ids[-1]
-        if last in self.stop_token_ids:
-            self.finished_reason = FinishReason("stop", last)
+        return FinishReason("stop", last) if last in self.stop_token_ids else None
+
+    def append_logprobs(self, result: BatchResult, i: int) -> None:
+        """Record the logprobs of this request's token `i` of `result`, if computed."""
+        if result.token_logprobs is None:
+            return
+        self.output_token_logprobs.append((result.token_logprobs[i], result.next_token_ids[i]))
+        if self.top_logprobs_num > 0 and result.top_logprobs is not None and result.top_ids is not None:
+            k = self.top_logprobs_num
+            self.output_top_logprobs.append(list(zip(result.top_logprobs[i][:k], result.top_ids[i][:k])))
 
     def reset_for_retract(self) -> None:
         self.prefix_indices = _EMPTY

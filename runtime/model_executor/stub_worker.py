@@ -1,0 +1,98 @@
+"""StubWorker: a Worker with no model, for the fast scheduler tests and benchmarks.
+
+It keeps what a real worker keeps (its own req_to_token copy, written by the same
+`write_req_to_token`, and a "KV pool" that stores each slot's token id) and answers
+every request with `next_token(tokens)`, where `tokens` is the sequence it *reads
+back through req_to_token and the KV slots*. So a scheduler bug that feeds the
+wrong slots, positions or future ids changes the output, exactly as it would with
+a real model, and `greedy_reference` is the oracle the outputs must equal.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor, Future
+
+import torch
+
+from runtime.model_executor.future_map import FutureMap
+from runtime.model_executor.worker import BatchResult, ModelWorkerBatch, write_req_to_token
+
+_MULT = 0x9E3779B1  # Knuth's multiplicative hash constant
+_MASK = (1 << 61) - 1
+
+
+def next_token(tokens: list[int], vocab_size: int) -> int:
+    """A deterministic "model": a polynomial hash of the whole sequence, in the vocab."""
+    h = 0
+    for t in tokens:
+        h = (h * _MULT + t + 1) & _MASK
+    return h % vocab_size
+
+
+def greedy_reference(prompt: list[int], max_new_tokens: int, vocab_size: int, stop_ids: frozenset[int] = frozenset()) -> list[int]:
+    """What any correct scheduler must produce for `prompt` on a StubWorker."""
+    seq, out = list(prompt), []
+    for _ in range(max_new_tokens):
+        tok = next_token(seq, vocab_size)
+        out.append(tok)
+        seq.append(tok)
+        if tok in stop_ids:
+            break
+    return out
+
+
+class StubWorker:
+    """Forwards in launch order on the executor; logprobs are `-rank/10` of fake top ids."""
+
+    def __init__(self, num_rows: int, context_len: int, num_kv_slots: int, vocab_size: int, *, constant_token: int | None = None) -> None:
+        self.device = torch.device("cpu")
+        self.vocab_size = vocab_size
+        # constant_token: answer every request with it and skip the KV reads (the
+        # scheduler-overhead benchmark times the scheduler, not this stub).
+        self.constant_token = constant_token
+        self.req_to_token = torch.zeros((num_rows, context_len), dtype=torch.int32)
+        self.kv_tokens = torch.full((num_kv_slots + 1,), -1, dtype=torch.int64)
+        self.futures: FutureMap | None = None
+        self.forwards = 0
+
+    def attach_future_map(self, futures: FutureMap) -> None:
+        self.futures = futures
+
+    def launch(self, executor: Executor, mwb: ModelWorkerBatch) -> Future[BatchResult]:
+        return executor.submit(self.forward, mwb)
+
+    def close(self) -> None:
+        pass
+
+    @staticmethod
+    def _upload(values: torch.Tensor | list[int], dtype: torch.dtype) -> torch.Tensor:
+        return values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+
+    def forward(self, mwb: ModelWorkerBatch) -> BatchResult:
+        assert self.futures is not None, "attach_future_map first"
+        self.forwards += 1
+        bs = len(mwb.req_pool_indices)
+        if self.constant_token is not None:
+            tokens = [self.constant_token] * bs
+        else:
+            input_ids = self.futures.resolve(mwb.input_ids)
+            assert bool((input_ids >= 0).all()), "an unresolved future id reached the forward"
+            write_req_to_token(self.req_to_token, mwb, mwb.out_cache_loc, self._upload)
+            self.kv_tokens[mwb.out_cache_loc] = input_ids
+            tokens = []
+            for row, seq_len in zip(mwb.req_pool_indices, mwb.seq_lens):
+                seq = self.kv_tokens[self.req_to_token[row, :seq_len].to(torch.int64)].tolist()
+                assert -1 not in seq, f"row {row} reads a KV slot nothing wrote"
+                tokens.append(next_token(seq, self.vocab_size))
+        out = torch.tensor(tokens, dtype=torch.int64)
+        self.futures.store(mwb.future_ids, out)
+        if not mwb.return_logprob:
+            return BatchResult(next_token_ids=tokens)
+        k = max(max(mwb.top_logprobs_nums), 0)
+        tops = [[t, *((t + j) % self.vocab_size for j in range(1, k))][:k] for t in tokens]
+        return BatchResult(
+            next_token_ids=tokens,
+            token_logprobs=[0.0] * bs,
+            top_logprobs=[[-j / 10 for j in range(k)] for _ in tokens],
+            top_ids=tops,
+        )

@@ -1,0 +1,89 @@
+"""The Worker seam: what the scheduler hands a forward and what comes back.
+
+ModelWorkerBatch is a snapshot of a ScheduleBatch holding only what one forward
+needs, so the scheduler can go on mutating its batch while the forward runs
+(overlap). BatchResult is one sampled token per request, on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from runtime.model_executor.forward_batch import ForwardMode
+from runtime.model_executor.future_map import FutureMap
+from runtime.model_executor.sampling_info import SamplingBatchInfo
+
+
+@dataclass(slots=True)
+class ModelWorkerBatch:
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64; negative ids are futures the worker resolves
+    out_cache_loc: torch.Tensor  # [T] int64
+    req_pool_indices: list[int]
+    seq_lens: list[int]
+    extend_prefix_lens: list[int]
+    extend_seq_lens: list[int]
+    # For each extending request, the slots of row[:prefix] to (re)write in the
+    # worker's req_to_token; None for requests that extend by one decode token.
+    prefix_slots: list[torch.Tensor | None]
+    # (row, slots of row[:len]) the scheduler rewrote since the worker last saw the
+    # row; applied before this batch's own writes.
+    row_syncs: list[tuple[int, torch.Tensor]]
+    sampling: SamplingBatchInfo
+    future_ids: torch.Tensor  # [bs] negative ids under which this batch's next tokens are stored
+    top_logprobs_nums: list[int]  # -1 = no logprobs for that request
+    return_logprob: bool = False
+
+
+@dataclass(slots=True)
+class BatchResult:
+    next_token_ids: list[int]  # [bs]
+    token_logprobs: list[float] | None = None  # [bs]
+    top_logprobs: list[list[float]] | None = None  # [bs][k]
+    top_ids: list[list[int]] | None = None
+
+
+class Worker(Protocol):
+    """Runs forwards strictly in launch order (ModelRunner; StubWorker in tests and bench)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def attach_future_map(self, futures: FutureMap) -> None: ...
+
+    def launch(self, executor: Executor, mwb: ModelWorkerBatch) -> Future[BatchResult]:
+        """Start the forward of `mwb`; the future completes with its sampled tokens."""
+        ...
+
+    def close(self) -> None: ...
+
+
+Upload = Callable[[torch.Tensor | list[int], torch.dtype], torch.Tensor]
+
+
+def write_req_to_token(table: torch.Tensor, mwb: ModelWorkerBatch, out_cache_loc: torch.Tensor, upload: Upload) -> None:
+    """Apply `mwb`'s writes to the worker's copy of req_to_token, before its forward:
+    row syncs first, then each extend's prefix and new slots, then decode slots."""
+    start = 0
+    for row, slots in mwb.row_syncs:
+        table[row, : slots.numel()] = upload(slots, torch.int32)
+    decode_rows, decode_pos, decode_tok = [], [], []
+    for i, (row, p, n) in enumerate(zip(mwb.req_pool_indices, mwb.extend_prefix_lens, mwb.extend_seq_lens)):
+        slots = mwb.prefix_slots[i]
+        if slots is None:
+            decode_rows.append(row)
+            decode_pos.append(p)
+            decode_tok.append(start)
+        else:
+            if p:
+                table[row, :p] = upload(slots, torch.int32)
+            table[row, p : p + n] = out_cache_loc[start : start + n].to(torch.int32)
+        start += n
+    if decode_rows:
+        i64 = torch.int64
+        table[upload(decode_rows, i64), upload(decode_pos, i64)] = out_cache_loc[upload(decode_tok, i64)].to(torch.int32)
