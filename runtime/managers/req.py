@@ -13,7 +13,7 @@ from runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from runtime.mem.prefix_cache import PrefixCache
-    from runtime.mem.radix_cache import TreeNode
+    from runtime.mem.prefix_cache import TreeNode
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 

@@ -12,7 +12,7 @@ from runtime.sampling_params import CLIP_MAX_NEW_TOKENS
 
 if TYPE_CHECKING:
     from runtime.mem.allocator import TokenToKVPoolAllocator
-    from runtime.mem.radix_cache import TreeNode
+    from runtime.mem.prefix_cache import TreeNode
     from runtime.managers.req import Req
     from runtime.managers.schedule_batch import ScheduleBatch
 

@@ -18,21 +18,17 @@ from typing import Any
 import structlog
 
 from config.settings import EngineSettings
+from runtime.managers.decode_manager import DecodeManager
 from runtime.managers.prefill_manager import PrefillManager
 from runtime.managers.req import FinishReason, Req
 from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.managers.scheduler_output import OutputProcessor
 from runtime.managers.scheduler_stats import LoadSnapshot, SchedulerStats
 from runtime.mem.pools import MemoryPools
-from runtime.model_executor.forward_batch import ForwardMode
 from runtime.model_executor.future_map import FutureMap
 from runtime.model_executor.worker import BatchResult, Worker
 
 log = structlog.get_logger("sluice.scheduler")
-
-INIT_NEW_TOKEN_RATIO = 0.7  # share of max_new_tokens reserved per running request at first
-MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # floor = INIT * this * conservativeness
-NEW_TOKEN_RATIO_DECAY_STEPS = 600  # decode steps to decay from INIT to the floor
 
 Pending = collections.deque[tuple[ScheduleBatch, "Future[BatchResult]"]]
 
@@ -59,15 +55,9 @@ class Scheduler:
         worker.attach_future_map(self.futures)
         self.enable_overlap = not settings.disable_overlap_schedule
 
-        self.running_batch = self._empty_batch()
+        self.decode = DecodeManager(settings, pools, self.stats)
         self.last_batch: ScheduleBatch | None = None
         self.reqs_by_rid: dict[str, Req] = {}
-
-        conservativeness = settings.schedule_conservativeness
-        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * conservativeness, 1.0)
-        self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
-        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
-        self.new_token_ratio = self.init_new_token_ratio
 
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-worker")
         self._wake = asyncio.Event()
@@ -75,8 +65,9 @@ class Scheduler:
         self.inflight = 0  # forwards launched but not yet processed
         self._idle = asyncio.Event()
 
-    def _empty_batch(self) -> ScheduleBatch:
-        return ScheduleBatch([], self.req_to_token_pool, self.allocator, self.tree_cache)
+    @property
+    def running_batch(self) -> ScheduleBatch:
+        return self.decode.running_batch
 
     @property
     def waiting_queue(self) -> list[Req]:
@@ -188,7 +179,7 @@ class Scheduler:
     def _fail_all(self, exc: Exception) -> None:
         reqs = list(self.reqs_by_rid.values())
         self.prefill.waiting_queue, self.prefill.chunked_req = [], None
-        self.running_batch, self.last_batch = self._empty_batch(), None
+        self.decode.running_batch, self.last_batch = self.decode.empty_batch(), None
         self.req_to_token_pool.clear()
         self.allocator.clear()
         self.tree_cache.reset()
@@ -216,7 +207,7 @@ class Scheduler:
                     # Nothing can change without an add_request/abort/stop, each of
                     # which sets _wake; none can run between this check and wait().
                     self._wake.clear()
-                    self.new_token_ratio = self.init_new_token_ratio
+                    self.decode.new_token_ratio = self.decode.init_new_token_ratio
                     self._idle.set()
                     await self._wake.wait()
                     self._idle.clear()
@@ -246,7 +237,8 @@ class Scheduler:
         if ends and last is not None and last.forward_mode.is_decode():
             self.running_batch.drop_reqs_ending_in_flight()
         if last is not None and last.forward_mode.is_extend():
-            self._merge_prefilled(last, ends)
+            self.decode.merge_prefilled(last, ends, self.chunked_req)
+            self.last_batch = None
 
         # Between two chunks of a long prompt, running requests get a decode round
         # (unless they ride along in mixed batches): streams keep flowing.
@@ -261,63 +253,22 @@ class Scheduler:
             new_batch = self._get_new_batch_prefill()
             if new_batch is not None:
                 return new_batch
-        return self.update_running_batch()
-
-    def _merge_prefilled(self, last: ScheduleBatch, ends: bool) -> None:
-        """Requests whose prefill `last` ran join the running batch."""
-        # Prompts enter the tree as soon as their prefill is scheduled, so the
-        # next batch already shares them (the worker runs forwards in order).
-        for r in last.reqs[: last.batch_size() - len(last.decoding_reqs)]:
-            if r.req_pool_idx is not None and not r.finished() and r is not self.chunked_req:
-                r.row_dirty |= self.tree_cache.cache_unfinished_req(r)
-        keep = [i for i, r in enumerate(last.reqs) if not r.finished() and r is not self.chunked_req and r.req_pool_idx is not None]
-        last.filter_batch(keep)
-        if ends:
-            last.drop_reqs_ending_in_flight()
-        if not last.is_empty():
-            if self.running_batch.is_empty():
-                self.running_batch = last
-            else:
-                self.running_batch.merge_batch(last)
-            self.running_batch.forward_mode = ForwardMode.DECODE
-        self.last_batch = None
+        batch, retracted = self.decode.update_running_batch(self.snapshot)
+        self.waiting_queue[:0] = retracted
+        return batch
 
     def _get_new_batch_prefill(self) -> ScheduleBatch | None:
         running = self.running_batch
-        new = self.prefill.get_new_batch_prefill(running, self.new_token_ratio, self.max_running_requests, self.snapshot)
+        new = self.prefill.get_new_batch_prefill(running, self.decode.new_token_ratio, self.max_running_requests, self.snapshot)
         if new is None:
             return None
         if new.mix_running:
             running.filter_batch([i for i, r in enumerate(running.reqs) if not r.finished()])
             if not running.is_empty() and running.check_decode_mem():
                 new.batch.mix_with_running(running)
-                self.running_batch = self._empty_batch()
+                self.decode.running_batch = self.decode.empty_batch()
                 self.stats.add("num_mixed_batches")
         return new.batch
-
-    def update_running_batch(self) -> ScheduleBatch | None:
-        batch = self.running_batch
-        batch.filter_batch([i for i, r in enumerate(batch.reqs) if not r.finished()])
-        if batch.is_empty():
-            batch.batch_is_full = False
-            return None
-        if not batch.check_decode_mem():
-            self.retract_decode(batch)
-            self.new_token_ratio = self.init_new_token_ratio
-        else:
-            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
-        if batch.is_empty():
-            return None
-        batch.prepare_for_decode()
-        self.stats.on_decode_step(self.snapshot)
-        return batch
-
-    def retract_decode(self, batch: ScheduleBatch) -> None:
-        """Send requests back to the front of the waiting queue until the rest can decode."""
-        retracted = batch.retract_decode()
-        self.waiting_queue[:0] = retracted
-        self.stats.add("num_retracted_reqs_total", len(retracted))
-        log.info("Retract requests.", retracted=len(retracted), running=batch.batch_size(), new_token_ratio=self.new_token_ratio)
 
     # ---- results ------------------------------------------------------------------------------
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:

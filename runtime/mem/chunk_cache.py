@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from runtime.mem.allocator import TokenToKVPoolAllocator
     from runtime.mem.req_to_token_pool import ReqToTokenPool
     from runtime.mem.prefix_cache import CacheableReq
-    from runtime.mem.radix_cache import TreeNode
+    from runtime.mem.prefix_cache import TreeNode
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 

@@ -7,12 +7,33 @@ policy and the batches see either through this protocol alone.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+import itertools
+import time
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from runtime.mem.radix_cache import TreeNode
+_ids = itertools.count()
+
+
+class TreeNode:
+    """A node of RadixCache's tree: `key[i]`'s KV lives in slot `value[i]`. Requests
+    hold one as `last_node`, the lock handle of their borrowed prefix (None with
+    ChunkCache, which shares nothing)."""
+
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time", "id")
+
+    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None) -> None:
+        self.children: dict[object, TreeNode] = {}
+        self.parent = parent
+        self.key = key
+        self.value = value
+        self.lock_ref = 0
+        self.last_access_time = time.monotonic()
+        self.id = next(_ids)
+
+    def __lt__(self, other: TreeNode) -> bool:
+        return self.last_access_time < other.last_access_time
 
 
 class CacheableReq(Protocol):

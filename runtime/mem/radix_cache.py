@@ -14,11 +14,12 @@ Invariants:
 from __future__ import annotations
 
 import heapq
-import itertools
 import time
 from typing import TYPE_CHECKING
 
 import torch
+
+from runtime.mem.prefix_cache import TreeNode
 
 if TYPE_CHECKING:
     from runtime.mem.allocator import TokenToKVPoolAllocator
@@ -26,23 +27,6 @@ if TYPE_CHECKING:
     from runtime.mem.prefix_cache import CacheableReq
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-_ids = itertools.count()
-
-
-class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time", "id")
-
-    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None) -> None:
-        self.children: dict[object, TreeNode] = {}
-        self.parent = parent
-        self.key = key
-        self.value = value
-        self.lock_ref = 0
-        self.last_access_time = time.monotonic()
-        self.id = next(_ids)
-
-    def __lt__(self, other: TreeNode) -> bool:
-        return self.last_access_time < other.last_access_time
 
 
 class RadixCache:
