@@ -1,99 +1,126 @@
-"""Per-request sampling parameters, with SGLang's names and validation."""
+"""Per-request sampling parameters: SGLang's names, and the one declaration of each
+param's default, bounds and meaning.
+
+Each field's `ParamSpec` (its metadata, collected in `PARAM_SPECS`) is what
+`SamplingParams.validate()` enforces and what every HTTP route's schema documents.
+The routes only check JSON types and hand the values to `from_dict`, so a bound
+changed here changes the engine and every route at once, and answers stay identical.
+"""
 
 from __future__ import annotations
 
+import math
+import typing
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
-from runtime.errors import InvalidRequest
+from runtime.errors import InvalidParam, InvalidRequest
 
 CLIP_MAX_NEW_TOKENS = 4096
 INT32_MAX = 2**31 - 1  # caps the decode budget one request reserves in PrefillAdder
+SEED_END = 2**63  # seeds are non-negative int64s
+MAX_TOP_LOGPROBS = 20  # alternatives per output token
+
+T = TypeVar("T")
+
+
+def _num(x: float) -> str:
+    for k in (31, 63):
+        if x == 2**k:
+            return f"2**{k}"
+        if x == 2**k - 1:
+            return f"2**{k} - 1"
+    return f"{x:g}"
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """The meaning and accepted range of one param (of each item, for a list param).
+    `off` is a sentinel accepted outside the range (top_k's -1)."""
+
+    doc: str
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    off: float | None = None
+
+    def admits(self, x: float) -> bool:
+        if x == self.off:
+            return True
+        return not (
+            (self.ge is not None and x < self.ge)
+            or (self.gt is not None and x <= self.gt)
+            or (self.le is not None and x > self.le)
+            or (self.lt is not None and x >= self.lt)
+        )
+
+    def range_text(self) -> str:
+        lo = f"[{_num(self.ge)}" if self.ge is not None else f"({_num(self.gt)}" if self.gt is not None else ""
+        hi = f"{_num(self.le)}]" if self.le is not None else f"{_num(self.lt)})" if self.lt is not None else ""
+        text = f"in {lo}, {hi}" if lo and hi else f">= {lo[1:]}" if lo.startswith("[") else f"> {lo[1:]}" if lo else ""
+        return f"{_num(self.off)} (off) or {text}" if self.off is not None else text
+
+    def json_schema(self) -> dict[str, float]:
+        """JSON-schema bounds; with `off`, the minimum takes it in."""
+        bounds = {"minimum": self.ge, "exclusiveMinimum": self.gt, "maximum": self.le, "exclusiveMaximum": self.lt}
+        if self.off is not None:
+            bounds = {**bounds, "minimum": min(self.off, self.ge if self.ge is not None else self.off), "exclusiveMinimum": None}
+        return {k: v for k, v in bounds.items() if v is not None}
+
+
+def _param(default: T, doc: str, **bounds: float) -> T:
+    return field(default=default, metadata={"spec": ParamSpec(doc, **bounds)})
+
+
+def _list_param(doc: str, **bounds: float) -> Any:
+    return field(default_factory=list, metadata={"spec": ParamSpec(doc, **bounds)})
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    seed: int | None = None
+    max_new_tokens: int = _param(128, "Most tokens to generate.", ge=1, le=INT32_MAX)
+    min_new_tokens: int = _param(0, "Tokens generated before EOS or a stop may end the output.", ge=0, le=INT32_MAX)
+    temperature: float = _param(1.0, "Sampling temperature; 0 = greedy.", ge=0.0, le=2.0)
+    top_p: float = _param(1.0, "Nucleus sampling: the smallest set of tokens with this much probability.", gt=0.0, le=1.0)
+    top_k: int = _param(-1, "Sample from the k most likely tokens; -1 = off (HTTP routes also take 0 = off).",
+                        off=-1, ge=1, le=INT32_MAX)
+    min_p: float = _param(0.0, "Drop tokens less likely than min_p times the most likely one.", ge=0.0, le=1.0)
+    frequency_penalty: float = _param(0.0, "Penalise tokens by how often they occurred in the output.", ge=-2.0, le=2.0)
+    presence_penalty: float = _param(0.0, "Penalise tokens that occurred in the output.", ge=-2.0, le=2.0)
+    repetition_penalty: float = _param(1.0, "Divide the logits of tokens seen so far (1 = off).", gt=0.0, le=10.0)
+    stop: list[str] = _list_param("Strings that end the output (removed from it unless no_stop_trim).")
+    stop_token_ids: list[int] = _list_param("Token ids that end the output (kept in output_ids).", ge=0, le=INT32_MAX)
+    ignore_eos: bool = _param(False, "Keep generating past the model's EOS token.")
+    skip_special_tokens: bool = _param(True, "Leave special tokens out of the text.")
+    spaces_between_special_tokens: bool = _param(True, "Put spaces between special tokens in the text.")
+    no_stop_trim: bool = _param(False, "Keep the matched stop string at the end of the text.")
+    seed: int | None = _param(None, "RNG seed: the same seed, prompt and params give the same output.",
+                              ge=0, lt=SEED_END)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        d = dict(d or {})
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
+        """Validated params from SGLang-style keys; a null value means "not given"."""
+        d = {k: v for k, v in (d or {}).items() if v is not None}
+        unknown = set(d) - set(PARAM_SPECS)
         if unknown:
             raise InvalidRequest(f"unknown sampling params: {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
-        for key in ("stop", "stop_token_ids"):
-            if d.get(key) is None:
-                d.pop(key, None)
-        try:
-            p = cls(**d)
-        except TypeError as e:
-            raise InvalidRequest(str(e)) from None
+        p = cls(**d)
         p.validate()
         return p
 
     def validate(self) -> None:
-        def bad(param: str, why: str) -> InvalidRequest:
-            return InvalidRequest(f"{param}={getattr(self, param)!r}: {why}", param=param)
-
-        def is_num(x: Any) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
-
-        for name in ("max_new_tokens", "min_new_tokens", "top_k"):
-            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
-                raise bad(name, "must be an integer")
-        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
-            if not is_num(getattr(self, name)):
-                raise bad(name, "must be a number")
-        if self.max_new_tokens < 0:
-            raise bad("max_new_tokens", "must be >= 0")
-        if not 0 <= self.min_new_tokens:
-            raise bad("min_new_tokens", "must be >= 0")
+        """Raise InvalidParam for the first param that breaks its ParamSpec or a cross-param rule."""
+        for name, spec in PARAM_SPECS.items():
+            value = getattr(self, name)
+            reason = _violation(_HINTS[name], spec, value)
+            if reason is not None:
+                raise InvalidParam(name, value, reason)
         if self.min_new_tokens > self.max_new_tokens:
-            raise bad("min_new_tokens", "must be <= max_new_tokens")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise bad("temperature", "must be in [0, 100]")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
-        if self.top_k == 0 or self.top_k < -1 or self.top_k > INT32_MAX:
-            raise bad("top_k", f"must be -1 (off) or in [1, {INT32_MAX}]")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "must be in [0, 1]")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise bad(name, "must be in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise bad("repetition_penalty", "must be in (0, 10]")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in self.stop_token_ids
-        ):
-            raise bad("stop_token_ids", "must be a list of non-negative integers")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63
-        ):
-            raise bad("seed", "must be an integer in [0, 2**63)")
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(name, "must be a boolean")
+            raise InvalidParam("min_new_tokens", self.min_new_tokens,
+                               f"must not exceed the most tokens to generate ({self.max_new_tokens})")
 
     @property
     def is_greedy(self) -> bool:
@@ -102,3 +129,33 @@ class SamplingParams:
     @property
     def has_penalty(self) -> bool:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+PARAM_SPECS: dict[str, ParamSpec] = {f.name: f.metadata["spec"] for f in fields(SamplingParams)}
+_HINTS: dict[str, object] = typing.get_type_hints(SamplingParams)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _violation(hint: object, spec: ParamSpec, value: object) -> str | None:
+    """Why `value` is not a valid `hint` within `spec`, or None."""
+    if hint is bool:
+        return None if isinstance(value, bool) else "must be a boolean"
+    if hint == list[str]:
+        ok = isinstance(value, list) and all(isinstance(s, str) and s for s in value)
+        return None if ok else "must be a non-empty string or a list of non-empty strings"
+    if hint == list[int]:
+        ok = isinstance(value, list) and all(_is_int(t) and spec.admits(t) for t in value)
+        return None if ok else f"must be a list of integers {spec.range_text()}"
+    if hint == int | None and value is None:
+        return None
+    kind, ok = ("a number", _is_number(value)) if hint is float else ("an integer", _is_int(value))
+    if not ok or not spec.admits(value):  # type: ignore[arg-type]  # a number once `ok`
+        return f"must be {kind} {spec.range_text()}".rstrip()
+    return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import cast
 import torch
 
 from runtime.managers.req import Req
@@ -44,6 +45,11 @@ class ScheduleBatch:
     # Decode rounds over the same requests share one SamplingBatchInfo (immutable
     # once built); any change to `reqs` drops it.
     _decode_sampling: SamplingBatchInfo | None = None
+
+    def _rows(self) -> list[int]:
+        # Hot path (every decode round): the raw field, not Req.row's checked property.
+        # Every request of a batch that reaches a forward holds a row.
+        return cast(list[int], [r.req_pool_idx for r in self.reqs])
 
     def is_empty(self) -> bool:
         return not self.reqs
@@ -132,7 +138,7 @@ class ScheduleBatch:
         """One new token per request; its input is the request's future placeholder."""
         self.forward_mode = ForwardMode.DECODE
         pool = self.req_to_token_pool
-        rows = [r.row for r in self.reqs]
+        rows = self._rows()
         self._evict_for(self.decode_tokens_needed())
         self.seq_lens = [s + 1 for s in self.seq_lens]
         self.prefix_lens = [s - 1 for s in self.seq_lens]
@@ -209,7 +215,7 @@ class ScheduleBatch:
             forward_mode=self.forward_mode,
             input_ids=self.input_ids,
             out_cache_loc=self.out_cache_loc,
-            req_pool_indices=[r.row for r in self.reqs],
+            req_pool_indices=self._rows(),
             seq_lens=list(self.seq_lens),
             extend_prefix_lens=list(self.prefix_lens),
             extend_seq_lens=list(self.extend_lens),

@@ -72,18 +72,17 @@ class StubWorker:
         assert self.futures is not None, "attach_future_map first"
         self.forwards += 1
         bs = len(mwb.req_pool_indices)
-        if self.constant_token is not None:
-            tokens = [self.constant_token] * bs
-        else:
-            input_ids = self.futures.resolve(mwb.input_ids)
-            assert bool((input_ids >= 0).all()), "an unresolved future id reached the forward"
-            write_req_to_token(self.req_to_token, mwb, mwb.out_cache_loc, self._upload)
-            self.kv_tokens[mwb.out_cache_loc] = input_ids
-            tokens = []
-            for row, seq_len in zip(mwb.req_pool_indices, mwb.seq_lens):
-                seq = self.kv_tokens[self.req_to_token[row, :seq_len].to(torch.int64)].tolist()
-                assert -1 not in seq, f"row {row} reads a KV slot nothing wrote"
-                tokens.append(next_token(seq, self.vocab_size))
+        if self.constant_token is not None:  # no future is ever resolved: store nothing
+            return BatchResult(next_token_ids=[self.constant_token] * bs)
+        input_ids = self.futures.resolve(mwb.input_ids)
+        assert bool((input_ids >= 0).all()), "an unresolved future id reached the forward"
+        write_req_to_token(self.req_to_token, mwb, mwb.out_cache_loc, self._upload)
+        self.kv_tokens[mwb.out_cache_loc] = input_ids
+        tokens = []
+        for row, seq_len in zip(mwb.req_pool_indices, mwb.seq_lens):
+            seq = self.kv_tokens[self.req_to_token[row, :seq_len].to(torch.int64)].tolist()
+            assert -1 not in seq, f"row {row} reads a KV slot nothing wrote"
+            tokens.append(next_token(seq, self.vocab_size))
         out = torch.tensor(tokens, dtype=torch.int64)
         self.futures.store(mwb.future_ids, out)
         if not mwb.return_logprob:
