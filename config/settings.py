@@ -2,7 +2,7 @@
 
 Names follow SGLang's `ServerArgs` so that `--chunked-prefill-size` means here what it
 means there. `None` on an "auto" knob means "derive from the model and the machine";
-`resolve_auto` in runtime/ turns the autos into numbers once the model is loaded.
+`runtime.engine_setup.resolve_settings` turns the autos into numbers once the model is loaded.
 """
 
 from __future__ import annotations

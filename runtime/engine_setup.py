@@ -137,7 +137,7 @@ def build(settings: EngineSettings) -> EngineStack:
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or model_dir)
     pools = _pools(settings, config)
     kv_dtype = config.kv_dtype
-    kv_pool = KVPool(settings.max_total_tokens + settings.page_size, config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype, device)
+    kv_pool = KVPool(pools.max_total_num_tokens + settings.page_size, config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype, device)
     backend = create_attention_backend(
         settings.attention_backend, device, use_cpu_kernel=not settings.disable_cpu_kernels,
         num_qo_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
@@ -160,6 +160,6 @@ def build(settings: EngineSettings) -> EngineStack:
         max_running_requests=settings.max_running_requests,
         chunked_prefill_size=settings.chunked_prefill_size,
         kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
-        kv_gib=round(KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype) * settings.max_total_tokens / (1 << 30), 3),
+        kv_gib=round(KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype) * pools.max_total_num_tokens / (1 << 30), 3),
     )
     return EngineStack(settings, config, tokenizer, pools, runner, str(model_dir))

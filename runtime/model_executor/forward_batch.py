@@ -31,12 +31,6 @@ class ForwardMode(enum.IntEnum):
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE
 
-    def is_mixed(self) -> bool:
-        return self == ForwardMode.MIXED
-
-    def is_idle(self) -> bool:
-        return self == ForwardMode.IDLE
-
 
 @dataclass(slots=True)
 class ForwardBatch:

@@ -252,5 +252,5 @@ def load_model(model_dir: Path, config: ModelConfig, load_format: str, device: s
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        model.load_weights(iter_safetensors(model_dir))  # type: ignore[operator]
+        model.load_weights(iter_safetensors(model_dir))
     return model.eval()

@@ -72,16 +72,18 @@ def write_req_to_token(table: torch.Tensor, mwb: ModelWorkerBatch, out_cache_loc
     start = 0
     for row, slots in mwb.row_syncs:
         table[row, : slots.numel()] = upload(slots, torch.int32)
-    decode_rows, decode_pos, decode_tok = [], [], []
+    decode_rows: list[int] = []
+    decode_pos: list[int] = []
+    decode_tok: list[int] = []
     for i, (row, p, n) in enumerate(zip(mwb.req_pool_indices, mwb.extend_prefix_lens, mwb.extend_seq_lens)):
-        slots = mwb.prefix_slots[i]
-        if slots is None:
+        prefix = mwb.prefix_slots[i]
+        if prefix is None:
             decode_rows.append(row)
             decode_pos.append(p)
             decode_tok.append(start)
         else:
             if p:
-                table[row, :p] = upload(slots, torch.int32)
+                table[row, :p] = upload(prefix, torch.int32)
             table[row, p : p + n] = out_cache_loc[start : start + n].to(torch.int32)
         start += n
     if decode_rows:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from torch import nn
 
 from runtime.models.llama import LlamaForCausalLM, MistralForCausalLM
 from runtime.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -15,7 +14,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
