@@ -2,7 +2,7 @@
 
 Names follow SGLang's `ServerArgs` so that `--chunked-prefill-size` means here what it
 means there. `None` on an "auto" knob means "derive from the model and the machine";
-`runtime.engine_setup.resolve_settings` turns the autos into numbers once the model is loaded.
+`runtime.model_executor.resolve.resolve_settings` turns the autos into numbers once the model is loaded.
 """
 
 from __future__ import annotations
@@ -78,7 +78,17 @@ class EngineSettings:
     disable_cpu_kernels: bool = knob(False, "On CPU, use pure-torch decode attention instead of the compiled C++ kernel.")
     cuda_graph_max_bs: int | None = knob(None, "Largest decode batch captured in a CUDA graph (CUDA only).")
     disable_cuda_graph: bool = knob(False, "Run decode eagerly on CUDA.")
-    tp_size: int = knob(1, "Tensor-parallel degree (only 1 is supported today).")
+    # --- tensor parallelism (torch.distributed: gloo on CPU, NCCL on CUDA) ---
+    tp_size: int = knob(1, "Tensor-parallel degree: the model is split across this many ranks (processes).")
+    dist_init_addr: str | None = knob(
+        None, "HOST:PORT where the tensor-parallel ranks rendezvous. Default: a free port on 127.0.0.1 (one node)."
+    )
+    nnodes: int = knob(1, "Nodes the tp_size ranks are spread over (tp_size / nnodes ranks per node).")
+    node_rank: int = knob(0, "This node's index. Node 0 serves HTTP and runs rank 0; the others run workers only.")
+    dist_timeout: float = knob(
+        60.0, "Seconds a collective may wait for a rank before the group is declared dead (a hung or "
+        "killed rank turns the server unhealthy and makes it exit non-zero)."
+    )
     num_threads: int | None = knob(None, "torch intra-op threads on CPU. Default: all cores.")
     # --- logging ---
     decode_log_interval: int = knob(40, "Log a 'Decode batch.' line every this many decode steps.")
@@ -116,6 +126,11 @@ def _check_min(name: str, value: float | None, lo: float, *, allow_none: bool = 
         raise SettingsError(f"{name}={value!r}: must be >= {lo}")
 
 
+def _is_host_port(addr: str) -> bool:
+    host, _, port = addr.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
 def validate(s: EngineSettings | ServerSettings) -> None:
     hints = get_type_hints(type(s))
     for f in dataclasses.fields(s):
@@ -137,8 +152,17 @@ def validate(s: EngineSettings | ServerSettings) -> None:
             raise SettingsError(f"mem_fraction_static={s.mem_fraction_static}: must be in (0, 1)")
         if s.schedule_conservativeness <= 0:
             raise SettingsError("schedule_conservativeness: must be > 0")
-        if s.tp_size != 1:
-            raise SettingsError("tp_size: only 1 is supported in this release")
+        _check_min("tp_size", s.tp_size, 1, allow_none=False)
+        _check_min("nnodes", s.nnodes, 1, allow_none=False)
+        _check_min("dist_timeout", s.dist_timeout, 1, allow_none=False)
+        if s.tp_size % s.nnodes:
+            raise SettingsError(f"tp_size={s.tp_size} must be a multiple of nnodes={s.nnodes}")
+        if not 0 <= s.node_rank < s.nnodes:
+            raise SettingsError(f"node_rank={s.node_rank}: must be in [0, nnodes={s.nnodes})")
+        if s.nnodes > 1 and not s.dist_init_addr:
+            raise SettingsError("nnodes > 1 needs dist_init_addr (HOST:PORT of node 0's rendezvous)")
+        if s.dist_init_addr is not None and not _is_host_port(s.dist_init_addr):
+            raise SettingsError(f"dist_init_addr={s.dist_init_addr!r}: must be HOST:PORT")
         if s.device == "cpu" and s.attention_backend == "flashinfer":
             raise SettingsError("attention_backend=flashinfer needs device=cuda")
     else:

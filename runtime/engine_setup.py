@@ -1,25 +1,27 @@
-"""Turns settings into a running stack: resolves the autos, loads the model, sizes
-the pools. Everything here runs once, at Engine construction."""
+"""Turns settings into a running stack: rank 0's shard (runtime/model_executor/shard.py),
+the tensor-parallel workers beside it, the tokenizer and the scheduler's pools.
+Everything here runs once, at Engine construction."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
 import torch
 
-from config.settings import EngineSettings, SettingsError
-from kernels.attention import create_attention_backend
-from runtime.model_executor.gpu_defaults import default_cuda_graph_max_bs, default_max_running_requests, gpu_memory_defaults, kv_pool_tokens
+from config.settings import EngineSettings
+from runtime.distributed.launcher import TPGroup, init_method, local_ranks
+from runtime.distributed.parallel_state import destroy_tensor_parallel
 from runtime.mem.kv_pool import KVPool
 from runtime.mem.pools import MemoryPools
 from runtime.model_config import ModelConfig
-from runtime.model_executor.model_loader import load_model, prepare_model_dir, resolve_dtype
-from runtime.model_executor.model_runner import ModelRunner
+from runtime.model_executor.model_loader import prepare_model_dir
+from runtime.model_executor.resolve import resolve_settings
+from runtime.layers.linear import kv_heads_per_rank
+from runtime.model_executor.shard import build_shard, check_tp_size
+from runtime.model_executor.tp_channel import BatchChannel
 from runtime.model_executor.worker import Worker
 
 if TYPE_CHECKING:
@@ -27,7 +29,22 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("sluice.engine")
 
-CPU_KV_BUDGET_BYTES = 4 << 30  # default KV budget on CPU: min(this, a quarter of RAM)
+
+@dataclass(slots=True)
+class TensorParallel:
+    """Rank 0's handle on its group: the workers of this node and the batch channel."""
+
+    group: TPGroup
+    channel: BatchChannel
+
+    def close(self) -> None:
+        if self.group.failure is None:
+            try:
+                self.channel.shutdown()
+            except Exception as exc:  # noqa: BLE001 - a rank died while we were stopping
+                log.warning("tensor-parallel shutdown broadcast failed", error=repr(exc))
+        self.group.close()
+        destroy_tensor_parallel()
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,58 +57,7 @@ class EngineStack:
     pools: MemoryPools
     worker: Worker
     model_dir: str
-
-
-def resolve_device(setting: str) -> str:
-    if setting == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if setting == "cuda" and not torch.cuda.is_available():
-        raise SettingsError("device=cuda but no CUDA device is available")
-    return setting
-
-
-def _cpu_ram_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 16 << 30
-
-
-def resolve_settings(settings: EngineSettings, device: str, config: ModelConfig, weight_bytes: int) -> EngineSettings:
-    """Fill every auto knob with a number. On CUDA this runs with the weights resident."""
-    per_token = KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, config.kv_dtype)
-    if device == "cuda":
-        free, total = torch.cuda.mem_get_info()
-        gpu = gpu_memory_defaults(
-            total, settings.chunked_prefill_size, settings.cuda_graph_max_bs, settings.mem_fraction_static, settings.max_prefill_tokens
-        )
-        max_total = settings.max_total_tokens or kv_pool_tokens(free, total, gpu.mem_fraction_static, per_token, settings.page_size)
-    else:
-        gpu = None
-        max_total = settings.max_total_tokens or min(CPU_KV_BUDGET_BYTES, _cpu_ram_bytes() // 4) // per_token
-    max_total = max_total - max_total % settings.page_size
-    if max_total < settings.page_size * 2:
-        raise SettingsError(f"max_total_tokens={max_total} is too small")
-    max_running = settings.max_running_requests or (default_max_running_requests(max_total, config.context_len) if gpu else 256)
-    chunk = settings.chunked_prefill_size
-    if chunk is None:
-        chunk = gpu.chunked_prefill_size if gpu else 1024
-    backend = settings.attention_backend
-    if backend == "auto":  # FlashInfer kernels take fp16/bf16 only
-        backend = "flashinfer" if device == "cuda" and config.dtype != torch.float32 else "torch"
-    cuda_graph_max_bs = settings.cuda_graph_max_bs or (default_cuda_graph_max_bs(gpu.cuda_graph_max_bs, max_running) if gpu else None)
-    return dataclasses.replace(
-        settings,
-        device=device,
-        context_length=config.context_len,
-        max_total_tokens=max_total,
-        max_running_requests=max_running,
-        chunked_prefill_size=chunk,
-        attention_backend=backend,
-        cuda_graph_max_bs=cuda_graph_max_bs,
-        mem_fraction_static=gpu.mem_fraction_static if gpu else settings.mem_fraction_static,
-        random_seed=settings.random_seed if settings.random_seed is not None else 0,
-    )
+    tp: TensorParallel | None = None
 
 
 def _pools(settings: EngineSettings, config: ModelConfig) -> MemoryPools:
@@ -111,7 +77,7 @@ def build_stub(settings: EngineSettings, *, constant_token: int | None = None) -
 
     model_dir = prepare_model_dir(settings.model_path, settings.load_format)
     config = ModelConfig.from_pretrained(model_dir, torch.float32, settings.context_length)
-    settings = resolve_settings(dataclasses.replace(settings, device="cpu"), "cpu", config, 0)
+    settings = resolve_settings(dataclasses.replace(settings, device="cpu"), "cpu", config, config.num_kv_heads)
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or model_dir)
     pools = _pools(settings, config)
     assert settings.max_total_tokens
@@ -121,45 +87,52 @@ def build_stub(settings: EngineSettings, *, constant_token: int | None = None) -
     return EngineStack(settings, config, tokenizer, pools, worker, str(model_dir))
 
 
+def _start_workers(settings: EngineSettings) -> tuple[TPGroup, str]:
+    method = init_method(settings)
+    group = TPGroup(settings, method, [r for r in local_ranks(settings) if r != 0])
+    group.start()
+    return group, method
+
+
 def build(settings: EngineSettings) -> EngineStack:
-    """Load the model and size the pools for `settings`."""
+    """Load rank 0's shard (starting this node's other ranks first) and size the pools."""
     from transformers import AutoTokenizer
 
-    device = resolve_device(settings.device)
-    if device == "cpu" and settings.num_threads:
-        torch.set_num_threads(settings.num_threads)
-    dtype = resolve_dtype(settings.dtype, device)
-    model_dir = prepare_model_dir(settings.model_path, settings.load_format)
-    config = ModelConfig.from_pretrained(model_dir, dtype, settings.context_length, settings.kv_cache_dtype)
-    model = load_model(model_dir, config, settings.load_format, device, settings.random_seed)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    settings = resolve_settings(settings, device, config, weight_bytes)
-    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or model_dir)
+    if settings.tp_size > 1:
+        model_dir = prepare_model_dir(settings.model_path, settings.load_format)  # converts a GGUF once, here
+        check_tp_size(ModelConfig.from_pretrained(model_dir, torch.float32, settings.context_length), settings.tp_size)
+    group, method = _start_workers(settings) if settings.tp_size > 1 else (None, None)
+    try:
+        shard = build_shard(settings, 0, method)
+    except BaseException as exc:
+        if group is None:
+            raise
+        worker_failure = group.failure  # a worker that died first is the cause
+        group.fail("rank 0 failed to start")
+        group.close()
+        destroy_tensor_parallel()
+        if worker_failure is not None:
+            raise RuntimeError(f"tensor-parallel start-up failed: {worker_failure}") from exc
+        raise
+    settings, config, runner = shard.settings, shard.config, shard.runner
+    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or shard.model_dir)
     pools = _pools(settings, config)
-    kv_dtype = config.kv_dtype
-    kv_pool = KVPool(pools.max_total_num_tokens + settings.page_size, config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype, device)
-    backend = create_attention_backend(
-        settings.attention_backend, device, use_cpu_kernel=not settings.disable_cpu_kernels,
-        num_qo_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-        page_size=settings.page_size, dtype=dtype, kv_dtype=kv_dtype,
-    )  # fmt: skip
-    runner = ModelRunner(model, kv_pool, backend, pools.num_rows, config.context_len, config.vocab_size, device)
-    if device == "cuda" and settings.attention_backend == "flashinfer" and not settings.disable_cuda_graph and settings.cuda_graph_max_bs:
-        from runtime.model_executor.cuda_graph_runner import CudaGraphRunner
-
-        start = time.monotonic()
-        runner.graph_runner = CudaGraphRunner(model, backend, kv_pool, runner.req_to_token, settings.cuda_graph_max_bs, stream=runner.stream)
-        runner.graph_runner.capture()
-        log.info("CUDA graphs captured", batch_sizes=runner.graph_runner.buckets, seconds=round(time.monotonic() - start, 1))
+    tp = None
+    if group is not None:
+        tp = TensorParallel(group, BatchChannel())
+        runner.tp_channel, runner.on_tp_failure = tp.channel, group.fail
+        group.start_heartbeat(lambda: tp.channel.heartbeat_if_idle(settings.dist_timeout / 4))
+    kv_heads = kv_heads_per_rank(config.num_kv_heads, settings.tp_size)
     log.info(
         "engine ready",
-        model=str(model_dir),
-        device=device,
-        dtype=str(dtype).removeprefix("torch."),
-        max_total_num_tokens=settings.max_total_tokens,
+        model=str(shard.model_dir),
+        device=settings.device,
+        tp_size=settings.tp_size,
+        dtype=str(config.dtype).removeprefix("torch."),
+        max_total_num_tokens=pools.max_total_num_tokens,
         max_running_requests=settings.max_running_requests,
         chunked_prefill_size=settings.chunked_prefill_size,
-        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
-        kv_gib=round(KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype) * pools.max_total_num_tokens / (1 << 30), 3),
+        kv_cache_dtype=str(config.kv_dtype).removeprefix("torch."),
+        kv_gib_per_rank=round(KVPool.bytes_per_token(config.num_layers, kv_heads, config.head_dim, config.kv_dtype) * pools.max_total_num_tokens / (1 << 30), 3),
     )
-    return EngineStack(settings, config, tokenizer, pools, runner, str(model_dir))
+    return EngineStack(settings, config, tokenizer, pools, runner, str(shard.model_dir), tp)

@@ -24,6 +24,8 @@ RANKS: dict[str, float] = {
     "runtime.mem": 4,
     "runtime.models": 3,
     "runtime.layers": 2,
+    "runtime.distributed": 7,  # the launcher starts ranks through engine_setup
+    "runtime.distributed.parallel_state": 1.5,  # the collectives every layer calls
     "kernels": 1,
     "runtime.errors": 0,
     "runtime.sampling_params": 0,

@@ -46,7 +46,7 @@ def test_cpu_paged_decode_kernel_matches_sdpa(kv_dtype: torch.dtype) -> None:
 
 def test_bf16_kv_cache_generates_what_hf_considers_greedy(make_engine: Any, prompts: list[list[int]], hf_oracle: Any) -> None:
     engine = make_engine(kv_cache_dtype="bfloat16", page_size=4)
-    assert engine.pools.kv_pool.k_buffer[0].dtype == torch.bfloat16
+    assert engine.worker.kv_pool.k_buffer[0].dtype == torch.bfloat16
     outs = engine.generate(prompts, {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
     worst = 0.0
     for prompt, out in zip(prompts, outs):

@@ -26,12 +26,16 @@ class MemoryPools:
     def num_rows(self) -> int:
         return self.req_to_token_pool.size
 
+    @staticmethod
+    def rows_for(max_running_requests: int) -> int:
+        """Request-pool rows: one spare, which a retracting round may briefly need."""
+        return max_running_requests + 1
+
     @classmethod
     def build(
         cls, max_running_requests: int, context_len: int, max_total_tokens: int, page_size: int, disable_radix_cache: bool
     ) -> MemoryPools:
-        # One spare row: a retracting round may briefly need it.
-        req_pool = ReqToTokenPool(max_running_requests + 1, context_len)
+        req_pool = ReqToTokenPool(cls.rows_for(max_running_requests), context_len)
         allocator = TokenToKVPoolAllocator(max_total_tokens, page_size)
         cache_cls = ChunkCache if disable_radix_cache else RadixCache
         return cls(req_pool, allocator, cache_cls(req_pool, allocator, page_size), max_total_tokens)

@@ -16,6 +16,7 @@ resolved on the device).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -26,10 +27,11 @@ from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.future_map import FutureMap
 from runtime.mem.kv_pool import KVPool
 from runtime.model_executor.sampler import SampleOutput, Sampler
-from runtime.model_executor.worker import BatchResult, ModelWorkerBatch, write_req_to_token
+from runtime.model_executor.worker import BatchResult, ForwardInputs, ModelWorkerBatch, write_req_to_token
 
 if TYPE_CHECKING:
     from runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+    from runtime.model_executor.tp_channel import BatchChannel
 
 
 class ModelRunner:
@@ -51,6 +53,8 @@ class ModelRunner:
         self.sampler = Sampler(num_rows, vocab_size, self.device)
         self.futures: FutureMap | None = None
         self.graph_runner: CudaGraphRunner | None = None  # set by engine_setup on CUDA
+        self.tp_channel: BatchChannel | None = None  # rank 0 of a tensor-parallel group
+        self.on_tp_failure: Callable[[str], None] | None = None
         self.stream: torch.cuda.Stream | None = None
         self._d2h: ThreadPoolExecutor | None = None
         if self.device.type == "cuda":
@@ -78,9 +82,16 @@ class ModelRunner:
         return self.graph_runner is not None and self.graph_runner.can_run(fb)
 
     def build_forward_batch(self, mwb: ModelWorkerBatch) -> ForwardBatch:
-        dev = self.device
         assert self.futures is not None
         input_ids = self.futures.resolve(self._upload(mwb.input_ids))
+        if self.tp_channel is not None:  # the other ranks run the same forward on their shards
+            self.tp_channel.send(mwb, input_ids)
+        return self.forward_batch_of(mwb, input_ids)
+
+    def forward_batch_of(self, mwb: ForwardInputs, input_ids: torch.Tensor) -> ForwardBatch:
+        """The ForwardBatch of `mwb` with its input ids resolved; writes the batch's
+        req_to_token entries into this rank's copy first."""
+        dev = self.device
         out_cache_loc = self._upload(mwb.out_cache_loc)
         write_req_to_token(self.req_to_token, mwb, out_cache_loc, self._upload)
         prefix = self._upload(mwb.extend_prefix_lens)
@@ -113,6 +124,12 @@ class ModelRunner:
         return fb
 
     @torch.inference_mode()
+    def forward_shard(self, inputs: ForwardInputs) -> None:
+        """A non-zero tensor-parallel rank's step: the same forward on this rank's
+        shard (its collectives pair with rank 0's); rank 0 samples."""
+        self.forward_logits(self.forward_batch_of(inputs, self._upload(inputs.input_ids)))
+
+    @torch.inference_mode()
     def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:
         if self.graph_runner is not None and self._uses_graph(fb):
             return self.graph_runner.replay(fb)
@@ -124,6 +141,17 @@ class ModelRunner:
         return self.model.compute_logits(last)
 
     def _forward(self, mwb: ModelWorkerBatch) -> SampleOutput:
+        if self.tp_channel is None:
+            return self._forward_step(mwb)
+        with self.tp_channel.step_lock:  # one step's collectives, never interleaved
+            try:
+                return self._forward_step(mwb)
+            except Exception as exc:
+                if self.on_tp_failure is not None:
+                    self.on_tp_failure(f"tensor-parallel forward failed: {exc}")
+                raise
+
+    def _forward_step(self, mwb: ModelWorkerBatch) -> SampleOutput:
         fb = self.build_forward_batch(mwb)
         logits = self.forward_logits(fb)
         sampling = mwb.sampling

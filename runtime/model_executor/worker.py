@@ -20,7 +20,9 @@ from runtime.model_executor.sampling_info import SamplingBatchInfo
 
 
 @dataclass(slots=True)
-class ModelWorkerBatch:
+class ForwardInputs:
+    """What every tensor-parallel rank needs to run one forward (rank 0 broadcasts it)."""
+
     forward_mode: ForwardMode
     input_ids: torch.Tensor  # [T] int64; negative ids are futures the worker resolves
     out_cache_loc: torch.Tensor  # [T] int64
@@ -34,6 +36,12 @@ class ModelWorkerBatch:
     # (row, slots of row[:len]) the scheduler rewrote since the worker last saw the
     # row; applied before this batch's own writes.
     row_syncs: list[tuple[int, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class ModelWorkerBatch(ForwardInputs):
+    """ForwardInputs plus what only the sampling rank needs."""
+
     sampling: SamplingBatchInfo
     future_ids: torch.Tensor  # [bs] negative ids under which this batch's next tokens are stored
     top_logprobs_nums: list[int]  # -1 = no logprobs for that request
@@ -66,7 +74,7 @@ class Worker(Protocol):
 Upload = Callable[[torch.Tensor | list[int], torch.dtype], torch.Tensor]
 
 
-def write_req_to_token(table: torch.Tensor, mwb: ModelWorkerBatch, out_cache_loc: torch.Tensor, upload: Upload) -> None:
+def write_req_to_token(table: torch.Tensor, mwb: ForwardInputs, out_cache_loc: torch.Tensor, upload: Upload) -> None:
     """Apply `mwb`'s writes to the worker's copy of req_to_token, before its forward:
     row syncs first, then each extend's prefix and new slots, then decode slots."""
     start = 0

@@ -1,0 +1,1 @@
+"""Tensor parallelism over torch.distributed (gloo on CPU, NCCL on CUDA)."""

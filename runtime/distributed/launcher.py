@@ -1,0 +1,150 @@
+"""Tensor-parallel processes: rank 0 (the server process) and the worker ranks.
+
+Rank 0 runs HTTP, the scheduler and its own shard; every other rank runs
+`worker_main`: build its shard, then run each forward rank 0 broadcasts
+(runtime/model_executor/tp_channel.py) until told to stop. Ranks rendezvous over
+torch.distributed at `init_method` (gloo on CPU, NCCL on CUDA).
+
+Failure: a worker that exits is seen by the watchdog within WATCHDOG_INTERVAL_S;
+one that hangs makes rank 0's next collective time out after `dist_timeout`. An
+idle server runs a heartbeat (a header plus a one-element all-reduce, which needs
+every rank) every dist_timeout / 4, so a hang is found even with no traffic, and
+the workers' wait for the next command never times out. Either way `on_failure`
+fires once; the engine then turns unhealthy and the server exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+
+import structlog
+
+from config.settings import EngineSettings
+
+log = structlog.get_logger("sluice.tp")
+
+WATCHDOG_INTERVAL_S = 0.2
+JOIN_TIMEOUT_S = 10.0
+
+
+def ranks_per_node(settings: EngineSettings) -> int:
+    return settings.tp_size // settings.nnodes
+
+
+def local_ranks(settings: EngineSettings) -> range:
+    n = ranks_per_node(settings)
+    return range(settings.node_rank * n, (settings.node_rank + 1) * n)
+
+
+def init_method(settings: EngineSettings) -> str:
+    """`tcp://HOST:PORT` of the rendezvous: dist_init_addr, or a free loopback port."""
+    if settings.dist_init_addr:
+        return f"tcp://{settings.dist_init_addr}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def worker_main(rank: int, settings: EngineSettings, method: str) -> None:
+    """Entry point of a spawned worker rank. Exits 0 on SHUTDOWN, 1 on any failure."""
+    from runtime import engine_setup
+    from runtime.distributed.parallel_state import destroy_tensor_parallel
+    from runtime.model_executor.tp_channel import Command, heartbeat_reply, receive
+
+    logging.basicConfig(level=logging.INFO, format=f"[tp{rank}] %(message)s")
+    try:
+        runner = engine_setup.build_shard(settings, rank, method).runner
+        log.info("tensor-parallel worker ready", rank=rank, pid=os.getpid())
+        while True:
+            item = receive()
+            if item is Command.SHUTDOWN:
+                break
+            if item is Command.HEARTBEAT:
+                heartbeat_reply()
+            elif not isinstance(item, Command):
+                runner.forward_shard(item)
+    except BaseException as exc:  # noqa: BLE001 - any failure ends this rank, visibly
+        log.error("tensor-parallel worker failed", rank=rank, error=repr(exc))
+        os._exit(1)  # skip atexit: the process group may be wedged
+    destroy_tensor_parallel()
+
+
+class TPGroup:
+    """The worker ranks this node runs: processes, watchdog, heartbeat."""
+
+    def __init__(self, settings: EngineSettings, method: str, ranks: list[int]) -> None:
+        self.settings = settings
+        self.method = method
+        self.ranks = ranks
+        self.procs: dict[int, BaseProcess] = {}
+        self.failure: str | None = None
+        self.on_failure: Callable[[str], None] | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        for rank in self.ranks:
+            proc = ctx.Process(target=worker_main, args=(rank, self.settings, self.method), name=f"sluice-tp{rank}", daemon=True)
+            proc.start()
+            self.procs[rank] = proc
+        self._spawn_thread(self._watch, "sluice-tp-watchdog")
+
+    def _spawn_thread(self, target: Callable[[], None], name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def start_heartbeat(self, beat: Callable[[], None]) -> None:
+        """Rank 0 only: call `beat` (which runs a heartbeat when the group is idle)
+        every dist_timeout / 4 seconds."""
+
+        def loop() -> None:
+            while not self._stop.wait(self.settings.dist_timeout / 4):
+                try:
+                    beat()
+                except Exception as exc:  # noqa: BLE001 - a failed collective is a dead group
+                    self.fail(f"tensor-parallel heartbeat failed: {exc}")
+                    return
+
+        self._spawn_thread(loop, "sluice-tp-heartbeat")
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCHDOG_INTERVAL_S):
+            for rank, proc in self.procs.items():
+                if not proc.is_alive():
+                    self.fail(f"tensor-parallel rank {rank} exited with code {proc.exitcode}")
+                    return
+
+    def fail(self, reason: str) -> None:
+        """Record the group's first failure and tell the engine (from any thread)."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = reason
+        log.error("tensor-parallel group failed", reason=reason)
+        if self.on_failure is not None:
+            self.on_failure(reason)
+
+    def wait(self) -> int:
+        """Workers-only node: block until every local rank has exited; the worst exit code."""
+        for proc in self.procs.values():
+            proc.join()
+        self._stop.set()
+        return max((proc.exitcode or 0) for proc in self.procs.values()) if self.procs else 0
+
+    def close(self) -> None:
+        """Stop the threads and reap the processes (terminating any that linger)."""
+        self._stop.set()
+        for proc in self.procs.values():
+            proc.join(JOIN_TIMEOUT_S if self.failure is None else 0.5)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(JOIN_TIMEOUT_S)

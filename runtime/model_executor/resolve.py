@@ -1,0 +1,69 @@
+"""Resolve the settings' auto knobs for a model on a device: KV pool size, request
+rows, chunk size, attention backend, CUDA-graph batch sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from config.settings import EngineSettings, SettingsError
+from runtime.mem.kv_pool import KVPool
+from runtime.model_config import ModelConfig
+from runtime.model_executor.gpu_defaults import default_cuda_graph_max_bs, default_max_running_requests, gpu_memory_defaults, kv_pool_tokens
+
+CPU_KV_BUDGET_BYTES = 4 << 30  # default KV budget on CPU: min(this, a quarter of RAM)
+
+
+def resolve_device(setting: str) -> str:
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise SettingsError("device=cuda but no CUDA device is available")
+    return setting
+
+
+def _cpu_ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 16 << 30
+
+
+def resolve_settings(settings: EngineSettings, device: str, config: ModelConfig, kv_heads: int) -> EngineSettings:
+    """Fill every auto knob with a number. On CUDA this runs with the weights resident.
+    `kv_heads` is what this rank's KV pool holds (all of them below tp_size 2)."""
+    per_token = KVPool.bytes_per_token(config.num_layers, kv_heads, config.head_dim, config.kv_dtype)
+    if device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        gpu = gpu_memory_defaults(
+            total, settings.chunked_prefill_size, settings.cuda_graph_max_bs, settings.mem_fraction_static, settings.max_prefill_tokens
+        )
+        max_total = settings.max_total_tokens or kv_pool_tokens(free, total, gpu.mem_fraction_static, per_token, settings.page_size)
+    else:
+        gpu = None
+        max_total = settings.max_total_tokens or min(CPU_KV_BUDGET_BYTES, _cpu_ram_bytes() // 4) // per_token
+    max_total = max_total - max_total % settings.page_size
+    if max_total < settings.page_size * 2:
+        raise SettingsError(f"max_total_tokens={max_total} is too small")
+    max_running = settings.max_running_requests or (default_max_running_requests(max_total, config.context_len) if gpu else 256)
+    chunk = settings.chunked_prefill_size
+    if chunk is None:
+        chunk = gpu.chunked_prefill_size if gpu else 1024
+    backend = settings.attention_backend
+    if backend == "auto":  # FlashInfer kernels take fp16/bf16 only
+        backend = "flashinfer" if device == "cuda" and config.dtype != torch.float32 else "torch"
+    cuda_graph_max_bs = settings.cuda_graph_max_bs or (default_cuda_graph_max_bs(gpu.cuda_graph_max_bs, max_running) if gpu else None)
+    return dataclasses.replace(
+        settings,
+        device=device,
+        context_length=config.context_len,
+        max_total_tokens=max_total,
+        max_running_requests=max_running,
+        chunked_prefill_size=chunk,
+        attention_backend=backend,
+        cuda_graph_max_bs=cuda_graph_max_bs,
+        mem_fraction_static=gpu.mem_fraction_static if gpu else settings.mem_fraction_static,
+        random_seed=settings.random_seed if settings.random_seed is not None else 0,
+    )

@@ -1,0 +1,98 @@
+"""build_shard: one rank's model, KV pool, attention backend and ModelRunner.
+
+Every tensor-parallel rank runs this (rank 0 in the server process, the others in
+their worker processes); with tp_size 1 it is the whole model. Ranks agree on the
+KV pool size and the request rows (the minimum over ranks), because rank 0's
+scheduler hands out slots and rows that every rank's pool must hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from config.settings import EngineSettings, SettingsError
+from kernels.attention import create_attention_backend
+from runtime.distributed.parallel_state import get_tp_size, init_tensor_parallel
+from runtime.layers.linear import kv_heads_per_rank
+from runtime.mem.kv_pool import KVPool
+from runtime.mem.pools import MemoryPools
+from runtime.model_config import ModelConfig
+from runtime.model_executor.model_loader import load_model, prepare_model_dir, resolve_dtype
+from runtime.model_executor.model_runner import ModelRunner
+from runtime.model_executor.resolve import resolve_device, resolve_settings
+
+log = structlog.get_logger("sluice.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    settings: EngineSettings  # resolved, and identical on every rank
+    config: ModelConfig
+    runner: ModelRunner
+    model_dir: Path
+
+
+def check_tp_size(config: ModelConfig, tp_size: int) -> None:
+    """Refuse a split the heads do not allow, before any rank is started."""
+    if config.num_heads % tp_size:
+        raise SettingsError(f"tp_size={tp_size} must divide the model's num_attention_heads={config.num_heads}")
+    try:
+        kv_heads_per_rank(config.num_kv_heads, tp_size)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+
+
+def _agree_min(settings: EngineSettings, device: torch.device) -> EngineSettings:
+    """Every rank takes the smallest KV pool and row count any rank can hold."""
+    if get_tp_size() == 1:
+        return settings
+    assert settings.max_total_tokens and settings.max_running_requests
+    values = torch.tensor([settings.max_total_tokens, settings.max_running_requests], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MIN)
+    max_total, max_running = values.tolist()
+    return dataclasses.replace(settings, max_total_tokens=max_total, max_running_requests=max_running)
+
+
+def build_shard(settings: EngineSettings, rank: int, init_method: str | None) -> Shard:
+    device = resolve_device(settings.device)
+    tp = settings.tp_size
+    per_node = tp // settings.nnodes
+    dev = torch.device(device, rank % per_node) if device == "cuda" else torch.device(device)
+    if tp > 1:
+        assert init_method is not None
+        init_tensor_parallel(rank, tp, init_method, dev, settings.dist_timeout)
+    if device == "cpu":
+        threads = settings.num_threads or (max(1, (os.cpu_count() or 1) // per_node) if tp > 1 else None)
+        if threads:
+            torch.set_num_threads(threads)
+    dtype = resolve_dtype(settings.dtype, device)
+    model_dir = prepare_model_dir(settings.model_path, settings.load_format)
+    config = ModelConfig.from_pretrained(model_dir, dtype, settings.context_length, settings.kv_cache_dtype)
+    kv_heads = kv_heads_per_rank(config.num_kv_heads, tp)
+    model = load_model(model_dir, config, settings.load_format, str(dev), settings.random_seed)
+    settings = _agree_min(resolve_settings(settings, device, config, kv_heads), dev)
+    assert settings.max_total_tokens and settings.max_running_requests
+    kv_pool = KVPool(settings.max_total_tokens + settings.page_size, config.num_layers, kv_heads, config.head_dim, config.kv_dtype, dev)
+    backend = create_attention_backend(
+        settings.attention_backend, device, use_cpu_kernel=not settings.disable_cpu_kernels,
+        num_qo_heads=config.num_heads // tp, num_kv_heads=kv_heads, head_dim=config.head_dim,
+        page_size=settings.page_size, dtype=dtype, kv_dtype=config.kv_dtype,
+    )  # fmt: skip
+    rows = MemoryPools.rows_for(settings.max_running_requests)
+    runner = ModelRunner(model, kv_pool, backend, rows, config.context_len, config.vocab_size, dev)
+    graphs = device == "cuda" and settings.attention_backend == "flashinfer" and not settings.disable_cuda_graph
+    if graphs and settings.cuda_graph_max_bs and tp == 1:  # graphs around collectives: not yet
+        from runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+
+        start = time.monotonic()
+        runner.graph_runner = CudaGraphRunner(model, backend, kv_pool, runner.req_to_token, settings.cuda_graph_max_bs, stream=runner.stream)
+        runner.graph_runner.capture()
+        log.info("CUDA graphs captured", batch_sizes=runner.graph_runner.buckets, seconds=round(time.monotonic() - start, 1))
+    return Shard(settings, config, runner, model_dir)
