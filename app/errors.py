@@ -27,6 +27,7 @@ _HTTP_CODES: dict[int, tuple[str, str]] = {
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_media_type"),
     422: ("invalid_request_error", "invalid_value"),
     500: ("server_error", "internal_error"),
     503: ("server_error", "server_unavailable"),
@@ -75,7 +76,7 @@ def api_error_response(exc: APIError) -> Response:
 
 def from_invalid_request(exc: InvalidRequest) -> APIError:
     """The engine's pre-queue validation error, as a 400."""
-    return APIError(400, str(exc) or "Invalid request.", param=getattr(exc, "param", None))
+    return APIError(400, str(exc) or "Invalid request.", param=exc.param)
 
 
 # What a union-typed field accepts, said once instead of one error per union branch.
@@ -94,9 +95,6 @@ def _is_union_tag(part: object) -> bool:
 def from_validation_error(exc: pydantic.ValidationError) -> APIError:
     """Pydantic's errors as one readable 400; `param` is the first offending field."""
     errors = exc.errors(include_url=False, include_input=False)
-    if any(e["type"] == "json_invalid" for e in errors):
-        first = next(e for e in errors if e["type"] == "json_invalid")
-        return APIError(400, f"Malformed JSON body: {first['msg']}", code="invalid_json")
     messages: dict[str, str] = {}  # param -> message, first error per param wins
     for e in errors:
         loc = list(e["loc"])

@@ -41,9 +41,10 @@ def create_app(state: AppState, engine_factory: EngineFactory = default_engine_f
     ]
     if state.server.enable_metrics:
         routes.append(Route("/metrics", routes_misc.metrics, methods=["GET"]))
+    # The body limit is outermost: it also drains the body under a 401 (see its invariant).
     middleware = [
-        Middleware(AuthMiddleware, api_key=state.server.api_key),
         Middleware(BodyLimitMiddleware, limit=state.server.max_request_body_bytes),
+        Middleware(AuthMiddleware, api_key=state.server.api_key),
     ]
     app = Starlette(
         routes=routes,

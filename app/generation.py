@@ -14,39 +14,78 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 
 from app.errors import APIError, from_invalid_request
 from app.state import AppState, Ticket
 from runtime.errors import InvalidRequest
+from runtime.managers.io_struct import GenerateOutput, MetaInfo, TokenLogprob
+from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime import Engine
 
 log = structlog.get_logger("sluice.app")
 
-_DONE = object()
+
+class _Done:
+    """A pump's end-of-stream marker."""
+
+
+_DONE = _Done()
 
 
 @dataclass(slots=True, eq=False)
 class Choice:
+    """One engine request and its output so far: the sum of the engine's delta chunks,
+    each appended once (texts are joined when read), so keeping it costs O(output)."""
+
     index: int
     rid: str
     prompt_ids: list[int]
-    params: dict[str, Any]
-    last: dict[str, Any] | None = None  # latest chunk (cumulative fields)
+    params: SamplingParams
+    text_parts: list[str] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    meta: MetaInfo | None = None  # of the latest chunk
     started: bool = False  # produced a chunk (or ended)
     finished: bool = False  # the engine reported finish_reason (or the stream ended)
-    sent: dict[str, int] = field(default_factory=dict)  # formatter's cursor, e.g. logprobs sent
 
-    def final(self) -> dict[str, Any]:
-        """The last chunk; a stream that ended without any is reported as an abort."""
-        if self.last is not None:
-            return self.last
-        meta = {"id": self.rid, "prompt_tokens": len(self.prompt_ids), "completion_tokens": 0, "cached_tokens": 0,
-                "finish_reason": {"type": "abort", "matched": None}}
-        return {"text": "", "delta": "", "output_ids": [], "meta_info": meta}
+    @property
+    def text(self) -> str:
+        if len(self.text_parts) > 1:
+            self.text_parts[:] = ["".join(self.text_parts)]
+        return self.text_parts[0] if self.text_parts else ""
+
+    def absorb(self, chunk: GenerateOutput) -> None:
+        meta = chunk["meta_info"]
+        self.text_parts.append(chunk["text"])
+        self.output_ids.extend(chunk["output_ids"])
+        self.token_logprobs.extend(meta.get("output_token_logprobs", ()))
+        self.top_logprobs.extend(meta.get("output_top_logprobs", ()))
+        self.meta = meta
+
+    def final_meta(self) -> MetaInfo:
+        """The latest meta_info; a stream that ended without any chunk is reported as an abort."""
+        if self.meta is not None:
+            return self.meta
+        return {"id": self.rid, "prompt_tokens": len(self.prompt_ids), "completion_tokens": 0, "cached_tokens": 0,
+                "finish_reason": {"type": "abort", "matched": None}, "queue_time": 0.0, "first_token_time": None,
+                "e2e_latency": None}
+
+    def cumulative(self) -> GenerateOutput:
+        """The whole output so far, logprob lists included (SGLang's native shape)."""
+        meta = self.final_meta().copy()
+        if "output_token_logprobs" in meta:
+            meta["output_token_logprobs"] = list(self.token_logprobs)
+        if "output_top_logprobs" in meta:
+            meta["output_top_logprobs"] = list(self.top_logprobs)
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
 
 class GenerationGroup:
@@ -68,8 +107,8 @@ class GenerationGroup:
         self._arrival = arrival
         self._return_logprob = return_logprob
         self._top_logprobs_num = top_logprobs_num
-        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        self._ready: collections.deque[tuple[int, dict[str, Any]]] = collections.deque()
+        self._queue: asyncio.Queue[tuple[int, GenerateOutput | _Done | Exception]] = asyncio.Queue()
+        self._ready: collections.deque[tuple[int, GenerateOutput]] = collections.deque()
         self._tasks: list[asyncio.Task[None]] = []
         self._open = len(choices)  # choices whose pump has not ended
         self._launched = False
@@ -87,16 +126,15 @@ class GenerationGroup:
             self.state.not_started += 1
             self._tasks.append(asyncio.create_task(self._pump(engine, choice), name=f"sluice-pump-{choice.rid}"))
 
-    async def _pump(self, engine: Any, choice: Choice) -> None:
+    async def _pump(self, engine: Engine, choice: Choice) -> None:
         # Invariant: every pump puts exactly one terminal item (_DONE or an exception)
         # unless it is cancelled, so `_take` never waits on a pump that has ended.
         timer = self.state.metrics.timer(self._arrival)
-        stream: Any = None
+        stream: AsyncGenerator[GenerateOutput, None] | None = None
         try:
-            stream = engine.async_generate(
+            stream = engine.async_generate_stream(
                 choice.prompt_ids,
                 choice.params,
-                stream=True,
                 rid=choice.rid,
                 return_logprob=self._return_logprob,
                 top_logprobs_num=self._top_logprobs_num,
@@ -110,10 +148,9 @@ class GenerationGroup:
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which decides the status
             self._queue.put_nowait((choice.index, exc))
         finally:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
+            if stream is not None:
                 try:
-                    await aclose()
+                    await stream.aclose()
                 except Exception:  # noqa: BLE001 - cleanup of an already-failed stream
                     log.debug("engine stream aclose failed", rid=choice.rid, exc_info=True)
 
@@ -122,25 +159,24 @@ class GenerationGroup:
             choice.started = True
             self.state.not_started -= 1
 
-    async def _take(self) -> tuple[int, dict[str, Any]] | None:
+    async def _take(self) -> tuple[int, GenerateOutput] | None:
         """The next chunk of any choice; None once every choice has ended."""
         while self._open > 0:
             index, item = await self._queue.get()
             choice = self.choices[index]
-            if item is _DONE:
+            if isinstance(item, _Done):
                 self._open -= 1
                 choice.finished = True
                 self._mark_started(choice)
                 continue
-            if isinstance(item, BaseException):
+            if isinstance(item, Exception):
                 self._open -= 1
                 self._mark_started(choice)
                 if isinstance(item, InvalidRequest):
                     raise from_invalid_request(item) from item
                 raise item
             self._mark_started(choice)
-            choice.last = item
-            if (item.get("meta_info") or {}).get("finish_reason") is not None:
+            if item["meta_info"]["finish_reason"] is not None:
                 choice.finished = True
             return index, item
         return None
@@ -157,18 +193,22 @@ class GenerationGroup:
             self.close()
             raise
 
-    async def events(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-        """Every chunk of every choice, in arrival order (prefetched ones first)."""
+    async def events(self) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        """Every delta chunk of every choice, in arrival order (prefetched ones first).
+        Invariant: when a chunk is yielded, its choice has absorbed exactly the chunks
+        yielded so far, so `Choice` totals line up with the stream."""
         while self._ready:
-            yield self._ready.popleft()
+            index, chunk = self._ready.popleft()
+            self.choices[index].absorb(chunk)
+            yield index, chunk
         while (item := await self._take()) is not None:
+            self.choices[item[0]].absorb(item[1])
             yield item
 
-    async def results(self) -> list[dict[str, Any]]:
-        """Run every choice to the end; the final chunk of each, by index."""
+    async def run_to_end(self) -> None:
+        """Absorb every choice's output to the end."""
         async for _ in self.events():
             pass
-        return [c.final() for c in self.choices]
 
     def close(self) -> None:
         if self._closed:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, cast
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import structlog
 from starlette.applications import Starlette
@@ -20,14 +20,18 @@ from starlette.applications import Starlette
 from app.state import AppState, Phase
 from app.tokens import TokenizerService
 from config import EngineSettings
+from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime import Engine
 
 log = structlog.get_logger("sluice.app")
 
-EngineFactory = Callable[[EngineSettings], Any]
+EngineFactory = Callable[[EngineSettings], "Engine"]
 READY_MESSAGE = "The server is fired up and ready to roll!"
 
 
-def default_engine_factory(settings: EngineSettings) -> Any:
+def default_engine_factory(settings: EngineSettings) -> Engine:
     from runtime import Engine
 
     return Engine(settings)
@@ -35,7 +39,7 @@ def default_engine_factory(settings: EngineSettings) -> Any:
 
 async def _warm_up(state: AppState) -> None:
     engine = state.ready_engine()
-    await cast(Awaitable[dict[str, Any]], engine.async_generate([0], {"max_new_tokens": 1, "temperature": 0.0}))
+    await engine.async_generate([0], SamplingParams(max_new_tokens=1, temperature=0.0))
 
 
 async def _wait_listening(address: tuple[str, int], timeout: float = 30.0) -> None:

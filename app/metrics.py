@@ -21,6 +21,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from runtime.managers.io_struct import GenerateOutput
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # (exposed name, get_server_info key, help)
@@ -104,18 +106,17 @@ class RequestTimer:
         self._last: float | None = None  # time of the last chunk that carried text
         self._done = False
 
-    def on_chunk(self, chunk: dict[str, Any]) -> None:
+    def on_chunk(self, chunk: GenerateOutput) -> None:
         now = time.perf_counter()
-        if chunk.get("delta"):
+        if chunk["text"]:
             if self._last is None:
                 self._metrics.ttft.labels(self._name).observe(now - self._arrival)
             else:
                 self._metrics.itl.labels(self._name).observe(now - self._last)
             self._last = now
-        meta = chunk.get("meta_info") or {}
-        if meta.get("finish_reason") is not None and not self._done:
+        meta = chunk["meta_info"]
+        if meta["finish_reason"] is not None and not self._done:
             self._done = True
             self._metrics.e2e.labels(self._name).observe(now - self._arrival)
-            queue_time = meta.get("queue_time")
-            if isinstance(queue_time, int | float) and queue_time >= 0:
-                self._metrics.queue.labels(self._name).observe(float(queue_time))
+            if meta["queue_time"] >= 0:
+                self._metrics.queue.labels(self._name).observe(meta["queue_time"])

@@ -1,7 +1,8 @@
 """Request schemas of the native (SGLang-style) routes.
 
-`SamplingParams` mirrors the engine's sampling params (SGLang names) and forbids
-unknown keys, so nothing the engine would choke on reaches it.
+`SamplingParamsBody` is `runtime.SamplingParams` as JSON: the same field names (a
+test holds the two sets equal), documented and bounded by PARAM_SPECS through
+`EngineParam`, with unknown keys refused so nothing the engine would choke on reaches it.
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from app.protocol import (
-    INT32_MAX,
-    INT64_MAX,
-    INT64_MIN,
     MAX_LOGPROBS,
     ChatMessage,
+    EngineParam,
+    GenerationBody,
     NonEmptyText,
-    Stop,
+    SamplingKnobs,
     Strict,
     Text,
     TokenId,
@@ -27,39 +27,18 @@ from app.protocol import (
 Rid = Annotated[str, Field(min_length=1, max_length=256)]
 
 
-class SamplingParams(Strict):
-    model_config = Strict.model_config | {"extra": "forbid"}
+class SamplingParamsBody(SamplingKnobs):
+    model_config = SamplingKnobs.model_config | {"extra": "forbid"}
 
-    max_new_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
-    min_new_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
-    temperature: float | None = Field(None, ge=0.0, le=100.0, description="0 = greedy.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="-1 or 0 = off.")
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    stop: Stop | None = None
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    no_stop_trim: bool | None = None
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-
-    def to_engine(self) -> dict[str, object]:
-        """Only the knobs that were set; the engine fills in its defaults."""
-        params = self.model_dump(exclude_none=True)
-        if params.get("top_k") == 0:
-            params["top_k"] = -1
-        return params
+    max_new_tokens: Annotated[int | None, EngineParam("max_new_tokens", "Default: 128, cut to the context left.")] = None
+    min_new_tokens: Annotated[int | None, EngineParam("min_new_tokens")] = None
+    no_stop_trim: Annotated[bool | None, EngineParam("no_stop_trim")] = None
 
 
-class GenerateRequest(Strict):
+class GenerateRequest(GenerationBody):
     text: NonEmptyText | None = None
     input_ids: TokenIds | None = None
-    sampling_params: SamplingParams | None = None
-    stream: bool = False
+    sampling_params: SamplingParamsBody | None = None
     rid: Rid | None = None
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)

@@ -1,17 +1,18 @@
 """Engine output -> OpenAI response fields (finish_reason, usage, logprobs).
 
-Engine chunks carry cumulative logprob lists; each formatter takes a start
-position so a stream sends every token's logprob exactly once.
+The logprob formatters take the (logprob, token_id) lists of some output tokens: a
+stream passes each delta chunk's, a final body its choice's whole lists.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
 
 from app.generation import Choice
+from app.responses import Payload
 from app.tokens import TokenizerService
+from runtime.managers.io_struct import MetaInfo, TokenLogprob
 
 
 def new_id(prefix: str) -> str:
@@ -22,24 +23,22 @@ def now() -> int:
     return int(time.time())
 
 
-def finish_reason(chunk: dict[str, Any]) -> str | None:
-    reason = (chunk.get("meta_info") or {}).get("finish_reason")
+def finish_reason(meta: MetaInfo) -> str | None:
+    reason = meta["finish_reason"]
     if reason is None:
         return None
-    kind = reason.get("type") if isinstance(reason, dict) else reason
-    return kind if kind in ("stop", "length", "abort") else "stop"
+    return reason["type"] if reason["type"] in ("stop", "length", "abort") else "stop"
 
 
-def usage(choices: list[Choice], n: int) -> dict[str, Any]:
+def usage(choices: list[Choice], n: int) -> Payload:
     """Prompt tokens count once per prompt (not per choice); completion tokens per choice.
     A prompt's cached tokens are the most any of its choices got from the prefix cache."""
     prompt_tokens = completion_tokens = cached_tokens = 0
     for start in range(0, len(choices), n):
-        group = choices[start : start + n]
-        metas = [c.final().get("meta_info") or {} for c in group]
-        prompt_tokens += int(metas[0].get("prompt_tokens") or len(group[0].prompt_ids))
-        cached_tokens += max(int(m.get("cached_tokens") or 0) for m in metas)
-        completion_tokens += sum(int(m.get("completion_tokens") or 0) for m in metas)
+        metas = [c.final_meta() for c in choices[start : start + n]]
+        prompt_tokens += metas[0]["prompt_tokens"]
+        cached_tokens += max(m["cached_tokens"] for m in metas)
+        completion_tokens += sum(m["completion_tokens"] for m in metas)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -48,27 +47,21 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
     }
 
 
-def _logprob_lists(chunk: dict[str, Any], start: int) -> tuple[list[Any], list[Any]]:
-    meta = chunk.get("meta_info") or {}
-    sampled = list(meta.get("output_token_logprobs") or [])[start:]
-    tops = list(meta.get("output_top_logprobs") or [])[start:]
-    return sampled, tops
-
-
-def logprob_count(chunk: dict[str, Any]) -> int:
-    return len((chunk.get("meta_info") or {}).get("output_token_logprobs") or [])
+def new_logprobs(meta: MetaInfo) -> tuple[list[TokenLogprob], list[list[TokenLogprob]]]:
+    """A delta chunk's sampled and top logprobs (empty when not requested)."""
+    return meta.get("output_token_logprobs", []), meta.get("output_top_logprobs", [])
 
 
 def completion_logprobs(
     tokens: TokenizerService,
-    chunk: dict[str, Any],
-    start: int,
+    sampled: list[TokenLogprob],
+    tops: list[list[TokenLogprob]],
     text_offset: int,
     prompt_ids: list[int] | None = None,
-) -> tuple[dict[str, Any], int]:
-    """OpenAI completions `logprobs` for output tokens from `start` (and, with echo, the
-    prompt's tokens first, whose logprobs the engine does not compute: null).
-    Returns the object and the text offset after its last token."""
+) -> tuple[Payload, int]:
+    """OpenAI completions `logprobs` for these output tokens (and, with echo, the prompt's
+    tokens first, whose logprobs the engine does not compute: null), the first starting
+    at `text_offset`. Returns the object and the text offset after its last token."""
     texts: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
@@ -76,7 +69,6 @@ def completion_logprobs(
         texts.append(tokens.token_text(token_id))
         token_logprobs.append(None)
         top_logprobs.append(None)
-    sampled, tops = _logprob_lists(chunk, start)
     for i, (logprob, token_id) in enumerate(sampled):
         text = tokens.token_text(int(token_id))
         texts.append(text)
@@ -88,18 +80,17 @@ def completion_logprobs(
     for text in texts:
         offsets.append(text_offset)
         text_offset += len(text)
-    obj = {"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+    obj: Payload = {"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
     return obj, text_offset
 
 
-def _chat_entry(tokens: TokenizerService, logprob: float, token_id: int) -> dict[str, Any]:
+def _chat_entry(tokens: TokenizerService, logprob: float, token_id: int) -> Payload:
     text = tokens.token_text(int(token_id))
     return {"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(tokens: TokenizerService, chunk: dict[str, Any], start: int) -> dict[str, Any]:
-    """OpenAI chat `logprobs` ({"content": [...]}) for output tokens from `start`."""
-    sampled, tops = _logprob_lists(chunk, start)
+def chat_logprobs(tokens: TokenizerService, sampled: list[TokenLogprob], tops: list[list[TokenLogprob]]) -> Payload:
+    """OpenAI chat `logprobs` ({"content": [...]}) for these output tokens."""
     content = []
     for i, (logprob, token_id) in enumerate(sampled):
         entry = _chat_entry(tokens, logprob, token_id)

@@ -60,7 +60,8 @@ def _error_responses() -> dict[str, Any]:
     ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
     return {code: {"description": text, **ref} for code, text in (
         ("400", "Invalid request"), ("401", "Missing or wrong API key"), ("404", "Unknown model or route"),
-        ("413", "Body too large"), ("503", "Starting, shutting down, or queue full"),
+        ("413", "Body too large"), ("415", "Body not sent as application/json"),
+        ("503", "Starting, shutting down, or queue full"),
     )}
 
 

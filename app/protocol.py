@@ -1,23 +1,27 @@
-"""Request schemas of the OpenAI-compatible routes (pydantic, strict JSON types).
+"""Request schemas of the OpenAI-compatible routes, and what every route's schema shares.
 
-These models are the single source of validation for `/v1/completions` and
-`/v1/chat/completions` and of the app's OpenAPI document. Validation is strict
-(`"5"` is not an int), unknown fields are ignored as OpenAI's SDKs send extras,
-and every float must be finite. Cross-field rules that need the tokenizer (prompt
-+ max_tokens over the context length) live in the handlers.
+Validation here is about shape only: strict JSON types (`"5"` is not an int), finite
+floats, message roles and content. A sampling param's bounds and meaning are declared
+once, in `runtime.sampling_params.PARAM_SPECS`: a field marked `EngineParam(name)`
+takes its documentation and JSON-schema bounds from there, and `app.sampling` hands
+its value to `SamplingParams.from_dict`, which enforces them. Unknown fields are
+ignored (OpenAI's SDKs send extras) and a field sent as `null` counts as not given.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetJsonSchemaHandler, model_validator
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
+
+from runtime.sampling_params import INT32_MAX, MAX_TOP_LOGPROBS, PARAM_SPECS
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 64  # prompts x n in one request
-MAX_LOGPROBS = 20
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-INT32_MAX = 2**31 - 1  # bound of token ids and top_k: larger values only overflow tensors
+MAX_LOGPROBS = MAX_TOP_LOGPROBS
 
 
 def _utf8(value: str) -> str:
@@ -32,35 +36,77 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Stop = NonEmptyText | list[NonEmptyText]
 
 
+@dataclass(frozen=True, slots=True)
+class EngineParam:
+    """Marks a request field as the SamplingParams field `name` (under the route's own
+    name, e.g. `max_tokens`). Its schema documents PARAM_SPECS[name]; its value is
+    validated by SamplingParams when the app builds the params."""
+
+    name: str
+    note: str = ""  # what this route adds, e.g. its default
+
+    def __get_pydantic_json_schema__(self, core: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        schema = handler(core)
+        spec = PARAM_SPECS[self.name]
+        for branch in schema.get("anyOf", [schema]):
+            target = branch.get("items", {}) if branch.get("type") == "array" else branch
+            if target.get("type") in ("integer", "number"):
+                target.update(spec.json_schema())
+        schema["description"] = f"{spec.doc} {self.note}".strip()
+        return schema
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: object) -> object:
+        # OpenAI treats `"field": null` as the field's absence; so do all routes.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
+
+class SamplingKnobs(Strict):
+    """Sampling params every route names as SamplingParams does (None = the engine default)."""
+
+    temperature: Annotated[float | None, EngineParam("temperature")] = None
+    top_p: Annotated[float | None, EngineParam("top_p")] = None
+    top_k: Annotated[int | None, EngineParam("top_k")] = None
+    min_p: Annotated[float | None, EngineParam("min_p")] = None
+    frequency_penalty: Annotated[float | None, EngineParam("frequency_penalty")] = None
+    presence_penalty: Annotated[float | None, EngineParam("presence_penalty")] = None
+    repetition_penalty: Annotated[float | None, EngineParam("repetition_penalty")] = None
+    seed: Annotated[int | None, EngineParam("seed")] = None
+    stop: Annotated[Stop | None, EngineParam("stop")] = None
+    stop_token_ids: Annotated[list[int] | None, EngineParam("stop_token_ids")] = None
+    ignore_eos: Annotated[bool | None, EngineParam("ignore_eos")] = None
+    skip_special_tokens: Annotated[bool | None, EngineParam("skip_special_tokens")] = None
+    spaces_between_special_tokens: Annotated[bool | None, EngineParam("spaces_between_special_tokens")] = None
+
+
+class GenerationBody(Strict):
+    """What the generation routes' bodies share."""
+
+    stream: bool = False
+
+    def requested_model(self) -> str | None:
+        """The model the body names, checked against the served one (None: not named)."""
+        return None
 
 
 class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class SamplingFields(Strict):
-    """Sampling knobs shared by both OpenAI routes (OpenAI names plus vLLM's extras)."""
+class SamplingFields(SamplingKnobs, GenerationBody):
+    """What both OpenAI routes take besides their prompt (OpenAI names plus vLLM's extras)."""
 
-    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="-1 or 0 = off.")
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: Stop | None = None
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    min_tokens: Annotated[int | None, EngineParam("min_new_tokens")] = None
+    include_stop_str_in_output: Annotated[bool | None, EngineParam("no_stop_trim")] = None
     logit_bias: dict[str, float] | None = None
-    stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
     model: Text | None = Field(None, description="Must be the served model name when given.")
@@ -73,12 +119,19 @@ class SamplingFields(Strict):
             raise ValueError("logit_bias is not supported")
         return self
 
+    def requested_model(self) -> str | None:
+        return self.model
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
 
 class CompletionRequest(SamplingFields):
     prompt: NonEmptyText | TokenIds | Annotated[list[NonEmptyText], Field(min_length=1)] | Annotated[
         list[TokenIds], Field(min_length=1)
     ]
-    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX, description="Default 16.")
+    max_tokens: Annotated[int, EngineParam("max_new_tokens", "Default 16.")] = 16
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Text | None = None
@@ -116,7 +169,8 @@ class TextPart(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Text | list[TextPart] | None = None
+    # Required for every role: tool calls (the one case OpenAI allows without) are not supported.
+    content: Text | list[TextPart]
     name: Text | None = None
 
     def for_template(self) -> dict[str, str]:
@@ -124,7 +178,7 @@ class ChatMessage(Strict):
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        message = {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
         return message
@@ -136,8 +190,8 @@ class ResponseFormat(Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Default: up to the context length.")
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Alias of max_tokens.")
+    max_tokens: Annotated[int | None, EngineParam("max_new_tokens", "Default: up to the context length.")] = None
+    max_completion_tokens: Annotated[int | None, EngineParam("max_new_tokens", "Alias of max_tokens.")] = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None

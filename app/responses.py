@@ -16,6 +16,8 @@ from starlette.types import Receive, Scope, Send
 
 SSE_DONE = b"data: [DONE]\n\n"
 
+Payload = dict[str, object]  # one JSON response body or SSE event
+
 
 def dumps(content: Any) -> bytes:
     try:

@@ -2,71 +2,53 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from app.errors import APIError
 from app.generation import Choice, GenerationGroup
-from app.openai_common import app_state, check_context, check_model, parse_body, respond
-from app.openai_format import (
-    completion_logprobs,
-    finish_reason,
-    logprob_count,
-    new_id,
-    now,
-    usage,
-)
+from app.openai_format import completion_logprobs, finish_reason, new_id, new_logprobs, now, usage
 from app.protocol import CompletionRequest
-from app.sampling import for_choice, openai_sampling_params
+from app.responses import Payload
+from app.sampling import for_choice, sampling_params
+from app.serving import Plan, check_context, serve_generation
 from app.state import AppState
 from app.tokens import TokenizerService
 
 
 async def create_completion(request: Request) -> Response:
-    arrival = time.perf_counter()
-    state = app_state(request)
-    req = await parse_body(request, CompletionRequest)
-    check_model(state, req.model)
-    tokens = state.tokenizer()
-    ticket = state.admit()
-    try:
-        prompt_ids: list[list[int]] = []
-        prompt_texts: list[str] = []
-        for prompt in req.prompts():
-            if isinstance(prompt, str):
-                ids = await tokens.encode(prompt)
-                text = prompt
-            else:
-                tokens.check_ids(prompt, "prompt")
-                ids = prompt
-                text = await tokens.decode(prompt) if req.echo else ""
-            if not ids:
-                raise APIError(400, "The prompt is empty (it tokenizes to no tokens).", param="prompt")
-            prompt_ids.append(ids)
-            prompt_texts.append(text)
-        context_len = state.context_len
-        max_new = [check_context(len(ids), req.max_tokens, context_len) for ids in prompt_ids]
-        group_id = new_id("cmpl")
-        choices = []
-        for p, ids in enumerate(prompt_ids):
-            params = openai_sampling_params(req, max_new[p])
-            for j in range(req.n):
-                index = p * req.n + j
-                rid = group_id if len(prompt_ids) * req.n == 1 else f"{group_id}-{index}"
-                choices.append(Choice(index, rid, ids, for_choice(params, req.seed, index)))
-        group = GenerationGroup(
-            state, group_id, choices, ticket, arrival=arrival,
-            return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0,
-        )
-    except BaseException:
-        ticket.release()
-        raise
-    view = _CompletionView(state, req, group, tokens, prompt_texts)
-    return await respond(request, group, stream=req.stream, stream_payloads=view.stream, final_payload=view.final)
+    return await serve_generation(request, CompletionRequest, _plan)
+
+
+async def _plan(state: AppState, req: CompletionRequest, tokens: TokenizerService) -> Plan:
+    prompt_ids: list[list[int]] = []
+    prompt_texts: list[str] = []
+    for prompt in req.prompts():
+        if isinstance(prompt, str):
+            ids = await tokens.encode(prompt)
+            text = prompt
+        else:
+            tokens.check_ids(prompt, "prompt")
+            ids = prompt
+            text = await tokens.decode(prompt) if req.echo else ""
+        if not ids:
+            raise APIError(400, "The prompt is empty (it tokenizes to no tokens).", param="prompt")
+        prompt_ids.append(ids)
+        prompt_texts.append(text)
+    group_id = new_id("cmpl")
+    choices = []
+    for p, ids in enumerate(prompt_ids):
+        params = sampling_params(req, check_context(len(ids), req.max_tokens, state.context_len))
+        for j in range(req.n):
+            index = p * req.n + j
+            rid = group_id if len(prompt_ids) * req.n == 1 else f"{group_id}-{index}"
+            choices.append(Choice(index, rid, ids, for_choice(params, index)))
+    return Plan(
+        group_id, choices, lambda group: _CompletionView(state, req, group, tokens, prompt_texts),
+        return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0,
+    )
 
 
 class _CompletionView:
@@ -80,58 +62,49 @@ class _CompletionView:
         self.group = group
         self.tokens = tokens
         self.prompt_texts = prompt_texts
-        self.head = {"id": group.id, "object": "text_completion", "created": now(), "model": state.model_name}
+        self.head: Payload = {"id": group.id, "object": "text_completion", "created": now(), "model": state.model_name}
 
-    def _prompt_of(self, choice: Choice) -> int:
-        return choice.index // self.req.n
+    def _echo(self, choice: Choice) -> str:
+        return self.prompt_texts[choice.index // self.req.n] if self.req.echo else ""
 
-    async def final(self) -> dict[str, Any]:
+    def final(self) -> Payload:
         out = []
         for choice in self.group.choices:
-            final = choice.final()
-            text = final.get("text") or ""
             lp = None
-            if self.req.echo:
-                text = self.prompt_texts[self._prompt_of(choice)] + text
             if self.req.logprobs is not None:
                 echo_ids = choice.prompt_ids if self.req.echo else None
-                lp, _ = completion_logprobs(self.tokens, final, 0, 0, echo_ids)
-            out.append({"index": choice.index, "text": text, "logprobs": lp, "finish_reason": finish_reason(final) or "abort"})
+                lp, _ = completion_logprobs(self.tokens, choice.token_logprobs, choice.top_logprobs, 0, echo_ids)
+            reason = finish_reason(choice.final_meta()) or "abort"
+            out.append({"index": choice.index, "text": self._echo(choice) + choice.text, "logprobs": lp, "finish_reason": reason})
         return {**self.head, "choices": out, "usage": usage(self.group.choices, self.req.n), "system_fingerprint": None}
 
-    def _chunk(self, index: int, text: str, logprobs: Any, reason: str | None) -> dict[str, Any]:
+    def _chunk(self, index: int, text: str, logprobs: Payload | None, reason: str | None) -> Payload:
         chunk = {**self.head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
-        if self._include_usage:
+        if self.req.include_usage:
             chunk["usage"] = None
         return chunk
 
-    @property
-    def _include_usage(self) -> bool:
-        return bool(self.req.stream_options and self.req.stream_options.include_usage)
-
-    async def stream(self) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self) -> AsyncIterator[Payload]:
         want_logprobs = self.req.logprobs is not None
+        # OpenAI's `text_offset` is each token's position in the choice's whole text, so
+        # the stream carries the running length of the token texts sent so far.
+        text_offsets = [0] * len(self.group.choices)
         if self.req.echo:
             for choice in self.group.choices:
-                text = self.prompt_texts[self._prompt_of(choice)]
-                lp = None
+                text, lp = self._echo(choice), None
                 if want_logprobs:
-                    empty: dict[str, Any] = {"meta_info": {}}
-                    lp, choice.sent["offset"] = completion_logprobs(self.tokens, empty, 0, 0, choice.prompt_ids)
+                    lp, text_offsets[choice.index] = completion_logprobs(self.tokens, [], [], 0, choice.prompt_ids)
                 else:
-                    choice.sent["offset"] = len(text)
+                    text_offsets[choice.index] = len(text)
                 yield self._chunk(choice.index, text, lp, None)
         async for index, chunk in self.group.events():
-            choice = self.group.choices[index]
-            delta = chunk.get("delta") or ""
-            reason = finish_reason(chunk)
+            meta = chunk["meta_info"]
+            reason = finish_reason(meta)
+            sampled, tops = new_logprobs(meta)
             lp = None
-            if want_logprobs:
-                start, count = choice.sent.get("logprobs", 0), logprob_count(chunk)
-                if count > start:
-                    lp, choice.sent["offset"] = completion_logprobs(self.tokens, chunk, start, choice.sent.get("offset", 0))
-                    choice.sent["logprobs"] = count
-            if delta or reason is not None or lp is not None:
-                yield self._chunk(index, delta, lp, reason)
-        if self._include_usage:
+            if want_logprobs and sampled:
+                lp, text_offsets[index] = completion_logprobs(self.tokens, sampled, tops, text_offsets[index])
+            if chunk["text"] or reason is not None or lp is not None:
+                yield self._chunk(index, chunk["text"], lp, reason)
+        if self.req.include_usage:
             yield {**self.head, "choices": [], "usage": usage(self.group.choices, self.req.n)}

@@ -5,19 +5,19 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable
-from typing import Any, cast
 
 import structlog
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app.body import parse_body
 from app.errors import APIError
 from app.metrics import CONTENT_TYPE
 from app.native_protocol import DetokenizeRequest, TokenizeRequest
-from app.openai_common import app_state, check_model, parse_body
 from app.responses import JSONResponse
+from app.serving import app_state, check_model
 from app.state import AppState, Phase
+from runtime.sampling_params import SamplingParams
 
 log = structlog.get_logger("sluice.app")
 
@@ -48,11 +48,10 @@ async def health_generate(request: Request) -> Response:
         raise error
     engine = state.ready_engine()
     rid = f"health-generate-{uuid.uuid4().hex}"
-    params = {"max_new_tokens": 1, "temperature": 0.0}
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
     try:
         # Cancelling the awaiting task aborts the request (engine contract).
-        generated = cast(Awaitable[dict[str, Any]], engine.async_generate([0], params, rid=rid))
-        await asyncio.wait_for(generated, state.server.health_generate_timeout)
+        await asyncio.wait_for(engine.async_generate([0], params, rid=rid), state.server.health_generate_timeout)
     except TimeoutError:
         engine.abort(rid)
         log.warning("health_generate timed out", rid=rid, timeout=state.server.health_generate_timeout)

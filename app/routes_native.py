@@ -3,60 +3,63 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app.body import parse_body
 from app.errors import APIError
 from app.generation import Choice, GenerationGroup
-from app.native_protocol import AbortRequest, GenerateRequest
-from app.openai_common import app_state, check_context, parse_body, respond
-from app.responses import JSONResponse
+from app.native_protocol import AbortRequest, GenerateRequest, SamplingParamsBody
+from app.responses import JSONResponse, Payload
+from app.sampling import sampling_params
+from app.serving import Plan, app_state, check_context, serve_generation
+from app.state import AppState
+from app.tokens import TokenizerService
+from runtime.sampling_params import DEFAULT_MAX_NEW_TOKENS
 
 VERSION = "0.1.0"
 
 
 async def generate(request: Request) -> Response:
-    arrival = time.perf_counter()
-    state = app_state(request)
-    req = await parse_body(request, GenerateRequest)
-    tokens = state.tokenizer()
-    ticket = state.admit()
-    try:
-        if req.text is not None:
-            ids = await tokens.encode(req.text)
-        else:
-            assert req.input_ids is not None
-            ids = list(req.input_ids)
-            tokens.check_ids(ids, "input_ids")
-        if not ids:
-            raise APIError(400, "The prompt is empty (it tokenizes to no tokens).", param="text")
-        params = req.sampling_params.to_engine() if req.sampling_params is not None else {}
-        max_new = params.get("max_new_tokens")
-        check_context(len(ids), max_new if isinstance(max_new, int) else None, state.context_len)
-        rid = req.rid or uuid.uuid4().hex
-        group = GenerationGroup(
-            state, rid, [Choice(0, rid, ids, params)], ticket, arrival=arrival,
-            return_logprob=req.return_logprob or req.top_logprobs_num > 0, top_logprobs_num=req.top_logprobs_num,
-        )
-    except BaseException:
-        ticket.release()
-        raise
+    return await serve_generation(request, GenerateRequest, _plan)
 
-    async def stream() -> AsyncIterator[dict[str, Any]]:
-        async for _, chunk in group.events():
-            yield chunk
 
-    async def final() -> dict[str, Any]:
-        out = dict(group.choices[0].final())
-        out.pop("delta", None)
-        return out
+async def _plan(state: AppState, req: GenerateRequest, tokens: TokenizerService) -> Plan:
+    if req.text is not None:
+        ids = await tokens.encode(req.text)
+    else:
+        assert req.input_ids is not None
+        ids = list(req.input_ids)
+        tokens.check_ids(ids, "input_ids")
+    if not ids:
+        raise APIError(400, "The prompt is empty (it tokenizes to no tokens).", param="text")
+    body = req.sampling_params or SamplingParamsBody()
+    max_new = check_context(len(ids), body.max_new_tokens, state.context_len, default=DEFAULT_MAX_NEW_TOKENS)
+    rid = req.rid or uuid.uuid4().hex
+    return Plan(
+        rid, [Choice(0, rid, ids, sampling_params(body, max_new))], _NativeView,
+        return_logprob=req.return_logprob or req.top_logprobs_num > 0, top_logprobs_num=req.top_logprobs_num,
+    )
 
-    return await respond(request, group, stream=req.stream, stream_payloads=stream, final_payload=final)
+
+class _NativeView:
+    """SGLang's native output: every event carries the whole output so far plus `delta`."""
+
+    def __init__(self, group: GenerationGroup) -> None:
+        self.choice = group.choices[0]
+        self.group = group
+
+    def final(self) -> Payload:
+        return dict(self.choice.cumulative())
+
+    async def stream(self) -> AsyncIterator[Payload]:
+        async for _, chunk in self.group.events():
+            whole = self.choice.cumulative()
+            yield {"text": whole["text"], "delta": chunk["text"], "output_ids": whole["output_ids"],
+                   "meta_info": whole["meta_info"]}
 
 
 async def abort_request(request: Request) -> Response:

@@ -1,46 +1,55 @@
-"""OpenAI request fields -> the engine's sampling params (SGLang names)."""
+"""Route bodies -> `runtime.SamplingParams`, whose `validate()` is the one check of them.
+
+Which body field is which SamplingParams field is read from the `EngineParam` marks
+in the schemas, so the routes only differ in their names (`max_tokens` is
+`max_new_tokens`), and a broken rule is answered under the name the body used.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from functools import cache
+
+from pydantic import BaseModel
 
 from app.errors import APIError
-from app.protocol import INT64_MAX, INT64_MIN, SamplingFields
+from app.protocol import EngineParam
+from runtime.errors import InvalidParam
+from runtime.sampling_params import SEED_END, SamplingParams
 
 
-def openai_sampling_params(req: SamplingFields, max_new_tokens: int) -> dict[str, Any]:
-    """The params every choice of `req` shares; `seed` is added per choice by `for_choice`."""
-    if req.min_tokens > max_new_tokens:
-        raise APIError(400, f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_new_tokens}).", param="min_tokens")
-    params: dict[str, Any] = {"max_new_tokens": max_new_tokens}
-    if req.min_tokens:
-        params["min_new_tokens"] = req.min_tokens
-    # temperature 0 is passed through: the engine samples greedily at 0.
-    for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
-        value = getattr(req, name)
+@cache
+def engine_fields(model: type[BaseModel]) -> dict[str, str]:
+    """Body field -> SamplingParams field, for every field marked EngineParam."""
+    return {
+        name: mark.name
+        for name, info in model.model_fields.items()
+        for mark in info.metadata
+        if isinstance(mark, EngineParam)
+    }
+
+
+def sampling_params(body: BaseModel, max_new_tokens: int) -> SamplingParams:
+    """The params `body` sets (the rest are the engine's defaults), generating at most
+    `max_new_tokens`; a value SamplingParams refuses is a 400 naming the body's field."""
+    values: dict[str, object] = {}
+    names: dict[str, str] = {}  # SamplingParams field -> the body field that set it
+    for name, param in engine_fields(type(body)).items():
+        value = getattr(body, name)
         if value is not None:
-            params[name] = value
-    if req.top_k is not None:
-        params["top_k"] = -1 if req.top_k == 0 else req.top_k
-    if req.stop:
-        params["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
-    if req.stop_token_ids:
-        params["stop_token_ids"] = list(req.stop_token_ids)
-    if req.ignore_eos:
-        params["ignore_eos"] = True
-    if not req.skip_special_tokens:
-        params["skip_special_tokens"] = False
-    if not req.spaces_between_special_tokens:
-        params["spaces_between_special_tokens"] = False
-    if req.include_stop_str_in_output:
-        params["no_stop_trim"] = True
-    return params
+            values[param] = -1 if param == "top_k" and value == 0 else value  # 0 = off on HTTP
+            names[param] = name
+    values["max_new_tokens"] = max_new_tokens
+    try:
+        return SamplingParams.from_dict(values)
+    except InvalidParam as exc:
+        name = names.get(exc.param or "", exc.param or "")
+        raise APIError(400, exc.describe(name), param=name) from exc
 
 
-def for_choice(params: dict[str, Any], seed: int | None, index: int) -> dict[str, Any]:
-    """Choice `index` of a seeded request samples with `seed + index` (wrapped to int64),
-    so the n choices differ from each other yet the whole response is reproducible."""
-    if seed is None:
+def for_choice(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of a seeded request samples with `seed + index` (mod 2**63, so it stays a
+    valid seed): the n choices differ from each other, yet the response is reproducible."""
+    if params.seed is None or index == 0:
         return params
-    span = INT64_MAX - INT64_MIN + 1
-    return {**params, "seed": (seed + index - INT64_MIN) % span + INT64_MIN}
+    return dataclasses.replace(params, seed=(params.seed + index) % SEED_END)

@@ -11,18 +11,24 @@ import asyncio
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from app.errors import APIError
 from app.metrics import Metrics
 from config import EngineSettings, ServerSettings
 
 if TYPE_CHECKING:
-    from app.generation import GenerationGroup
     from app.tokens import TokenizerService
     from runtime import Engine
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class RunningGroup(Protocol):
+    """What the state needs of a launched GenerationGroup (app.generation imports this
+    module, so the state names the group by what it does)."""
+
+    def abort(self) -> None: ...
 
 
 class Phase(enum.Enum):
@@ -64,7 +70,7 @@ class AppState:
     # counts as queued from admission to its first chunk (the engine's own waiting
     # count lags behind requests it has not yet picked up).
     not_started: int = 0
-    groups: dict[str, GenerationGroup] = field(default_factory=dict)
+    groups: dict[str, RunningGroup] = field(default_factory=dict)
     rids: set[str] = field(default_factory=set)
     context_limit: int = 0  # set by attach()
     bound: tuple[str, int] | None = None  # listening address, when served over a socket

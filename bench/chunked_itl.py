@@ -56,7 +56,7 @@ class Trace:
 async def _follow(engine: Any, req: BenchRequest, trace: Trace, progress: list[int], i: int, ready: asyncio.Event, need: int) -> None:
     seen = 0
     try:
-        async for chunk in engine.async_generate(req.prompt_ids, greedy_params(req), stream=True):
+        async for chunk in engine.async_generate_stream(req.prompt_ids, greedy_params(req)):
             n = chunk["meta_info"]["completion_tokens"]
             if n > seen:
                 seen = n

@@ -96,7 +96,7 @@ async def stream_one(engine: Any, req: BenchRequest, delay: float = 0.0) -> Requ
     start = last = time.perf_counter()
     seen = 0
     try:
-        async for chunk in engine.async_generate(req.prompt_ids, greedy_params(req), stream=True):
+        async for chunk in engine.async_generate_stream(req.prompt_ids, greedy_params(req)):
             meta = chunk["meta_info"]
             now = time.perf_counter()
             if meta["completion_tokens"] > seen:

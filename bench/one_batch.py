@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     print(__doc__.split("\n\n", 1)[1].strip())
     records = []
     try:
-        timer = ForwardTimer(engine.runner)
+        timer = ForwardTimer(engine.worker)
         sampler = TokenSampler(engine.tokenizer, random.Random(args.seed), engine.model_config.vocab_size)
         dtype = str(engine.model_config.dtype).removeprefix("torch.")
         for bs, n_in, n_out in itertools.product(args.batch_size, args.input_len, args.output_len):

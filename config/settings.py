@@ -102,7 +102,7 @@ class ServerSettings:
     host: str = knob("127.0.0.1", "Address to listen on.")
     port: int = knob(30000, "Port to listen on.")
     served_model_name: str | None = knob(None, "Model id reported by /v1/models. Default: from model_path.")
-    api_key: str | None = knob(None, "Require 'Authorization: Bearer <key>' on every route but health and metrics.")
+    api_key: str | None = knob(None, "Require 'Authorization: Bearer <key>' on every route but /health and /metrics.")
     max_queued_requests: int | None = knob(None, "Reject with 503 when this many requests wait. None = unbounded.")
     log_level: Literal["debug", "info", "warning", "error"] = knob("info", "Log level.")
     enable_metrics: bool = knob(True, "Expose Prometheus metrics on /metrics.")

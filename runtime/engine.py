@@ -11,22 +11,22 @@ import asyncio
 import dataclasses
 import threading
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
-
-import torch
+from typing import Any, Literal, overload
 
 from config.settings import EngineSettings
 from runtime import engine_setup
 from runtime.engine_setup import EngineStack
 from runtime.errors import InvalidRequest
+from runtime.managers.io_struct import GenerateOutput
 from runtime.managers.req import Req
-from runtime.sampling_params import SamplingParams
 from runtime.managers.scheduler import Scheduler
 from runtime.managers.scheduler_output import OutputProcessor
+from runtime.managers.tokenizer_manager import RequestLimits, SamplingInput, make_req
 
 Prompt = str | list[int]
+Delivery = GenerateOutput | InvalidRequest  # what a request's queue carries to its caller
 
 
 class Engine:
@@ -41,6 +41,13 @@ class Engine:
         self.pools = stack.pools
         self.worker = stack.worker
         self.model_dir = stack.model_dir
+        self.tp = stack.tp
+        # Set once when the engine can no longer serve (a tensor-parallel rank died or
+        # hung); listeners (the server) are called from whichever thread noticed.
+        self.fatal_error: str | None = None
+        self._fatal_listeners: list[Callable[[str], None]] = []
+        if self.tp is not None:
+            self.tp.group.on_failure = self._on_fatal
         self.output = OutputProcessor(self.tokenizer)
         self.scheduler = Scheduler(self.settings, self.pools, self.worker, self.output)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-tokenize")
@@ -85,8 +92,20 @@ class Engine:
         else:
             loop.call_soon_threadsafe(fn, *args)
 
+    def add_fatal_listener(self, listener: Callable[[str], None]) -> None:
+        self._fatal_listeners.append(listener)
+        if self.fatal_error is not None:
+            listener(self.fatal_error)
+
+    def _on_fatal(self, reason: str) -> None:
+        if self.fatal_error is None:
+            self.fatal_error = reason
+            for listener in list(self._fatal_listeners):
+                listener(reason)
+
     def shutdown(self) -> None:
         if self._loop is None:
+            self._close_workers()
             return
         self._call_on_loop(self.scheduler.stop)
         if self._thread is not None:
@@ -96,8 +115,14 @@ class Engine:
             self._loop.close()
         self.scheduler.executor.shutdown(wait=False)
         self._tokenize_pool.shutdown(wait=False)
-        self.worker.close()
+        self._close_workers()
         self._loop = None
+
+    def _close_workers(self) -> None:
+        self.worker.close()
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
 
     async def _await_task(self) -> None:
         if self._task is not None:
@@ -106,39 +131,19 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)  # with the model's BOS, as HF/vLLM/SGLang do
+            return list(self.tokenizer.encode(prompt))  # with the model's BOS, as HF/vLLM/SGLang do
         return list(prompt)
 
-    def _make_req(self, ids: list[int], params: dict[str, Any] | None, rid: str, return_logprob: bool, top_logprobs_num: int) -> Req:
-        params = dict(params or {})
-        ctx = self.model_config.context_len
-        if not ids:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.model_config.vocab_size for t in ids):
-            raise InvalidRequest(f"token ids must be integers in [0, {self.model_config.vocab_size})", param="prompt")
-        if "max_new_tokens" not in params or params["max_new_tokens"] is None:
-            params["max_new_tokens"] = max(0, min(128, ctx - len(ids)))
-        sp = SamplingParams.from_dict(params)
-        if len(ids) + sp.max_new_tokens > ctx:
-            raise InvalidRequest(
-                f"This model's maximum context length is {ctx} tokens. However, you requested "
-                f"{len(ids) + sp.max_new_tokens} tokens ({len(ids)} in the prompt, {sp.max_new_tokens} for the completion).",
-                param="max_tokens",
-            )
-        if len(ids) + sp.max_new_tokens > self.pools.max_total_num_tokens - self.settings.page_size:
-            raise InvalidRequest(
-                f"prompt ({len(ids)}) + max_new_tokens ({sp.max_new_tokens}) exceeds the KV cache "
-                f"({self.pools.max_total_num_tokens} tokens)",
-                param="max_tokens",
-            )
-        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
-            raise InvalidRequest("top_logprobs_num must be an integer in [0, 20]", param="top_logprobs")
-        req = Req(rid, ids, sp, self.model_config.eos_token_ids, return_logprob or top_logprobs_num > 0, top_logprobs_num)
-        if sp.seed is not None and not sp.is_greedy:
-            req.generator = torch.Generator(device=self.worker.device).manual_seed(sp.seed)
-        return req
+    def _make_req(self, ids: list[int], params: SamplingInput, rid: str, return_logprob: bool, top_logprobs_num: int) -> Req:
+        limits = RequestLimits(
+            self.model_config.context_len, self.model_config.vocab_size,
+            self.pools.max_total_num_tokens - self.settings.page_size, self.model_config.eos_token_ids, self.worker.device,
+        )
+        return make_req(ids, params, rid, return_logprob, top_logprobs_num, limits)
 
-    async def _submit(self, prompt: Prompt, params: Any, rid: str | None, stream: bool, return_logprob: bool, top_logprobs_num: int) -> tuple[Req, asyncio.Queue[dict[str, Any]]]:
+    async def _submit(
+        self, prompt: Prompt, params: SamplingInput, rid: str | None, stream: bool, return_logprob: bool, top_logprobs_num: int
+    ) -> tuple[Req, asyncio.Queue[Delivery]]:
         caller = asyncio.get_running_loop()
         engine_loop = self._ensure_started()
         if isinstance(prompt, str):
@@ -148,78 +153,109 @@ class Engine:
         else:
             raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
         req = self._make_req(ids, params, rid or uuid.uuid4().hex, return_logprob, top_logprobs_num)
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        queue: asyncio.Queue[Delivery] = asyncio.Queue()
+        deliver: Callable[[Delivery], None]
         if caller is engine_loop:
-            sink = queue.put_nowait
+            deliver = queue.put_nowait
         else:
-            def sink(chunk: dict[str, Any]) -> None:
+            def deliver(item: Delivery) -> None:
                 if caller.is_closed():
                     raise ConnectionAbortedError("the caller's event loop is gone")
-                caller.call_soon_threadsafe(queue.put_nowait, chunk)
-        self._call_on_loop(self._register, req, sink, stream)
+                caller.call_soon_threadsafe(queue.put_nowait, item)
+        self._call_on_loop(self._register, req, deliver, stream)
         return req, queue
 
-    def _register(self, req: Req, sink: Any, stream: bool) -> None:
+    def _register(self, req: Req, deliver: Callable[[Delivery], None], stream: bool) -> None:
         if req.rid in self.scheduler.reqs_by_rid:
-            sink({"error": f"duplicate rid {req.rid}"})
+            deliver(InvalidRequest(f"duplicate rid {req.rid}", param="rid"))
             return
-        self.output.register(req, sink, stream)
+        self.output.register(req, deliver, stream)
         self.scheduler.add_request(req)
+
+    @overload
+    def async_generate(
+        self, prompt: Prompt, sampling_params: SamplingInput = None, stream: Literal[False] = False,
+        rid: str | None = None, return_logprob: bool = False, top_logprobs_num: int = 0,
+    ) -> Coroutine[Any, Any, GenerateOutput]: ...
+
+    @overload
+    def async_generate(
+        self, prompt: Prompt, sampling_params: SamplingInput = None, *, stream: Literal[True],
+        rid: str | None = None, return_logprob: bool = False, top_logprobs_num: int = 0,
+    ) -> AsyncIterator[GenerateOutput]: ...
 
     def async_generate(
         self,
         prompt: Prompt,
-        sampling_params: dict[str, Any] | None = None,
+        sampling_params: SamplingInput = None,
         stream: bool = False,
         rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
-    ) -> Awaitable[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
+    ) -> Coroutine[Any, Any, GenerateOutput] | AsyncIterator[GenerateOutput]:
+        """Await the whole output of one prompt. `stream=True` is the older spelling of
+        `async_generate_stream`, kept for existing callers."""
         if stream:
-            return self._stream(prompt, sampling_params, rid, return_logprob, top_logprobs_num)
+            return self.async_generate_stream(prompt, sampling_params, rid, return_logprob, top_logprobs_num)
         return self._generate_one(prompt, sampling_params, rid, return_logprob, top_logprobs_num)
 
-    async def _stream(self, prompt: Prompt, params: Any, rid: str | None, return_logprob: bool, top_k: int) -> AsyncIterator[dict[str, Any]]:
+    def async_generate_stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingInput = None,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> AsyncGenerator[GenerateOutput, None]:
+        """The output of one prompt as delta chunks (io_struct); the last has finish_reason.
+        Closing it early (aclose, break, cancelling the task) aborts the request."""
+        return self._stream(prompt, sampling_params, rid, return_logprob, top_logprobs_num)
+
+    async def _stream(
+        self, prompt: Prompt, params: SamplingInput, rid: str | None, return_logprob: bool, top_k: int
+    ) -> AsyncGenerator[GenerateOutput, None]:
         req, queue = await self._submit(prompt, params, rid, True, return_logprob, top_k)
         finished = False
         try:
             while not finished:
-                chunk = await queue.get()
-                if "error" in chunk:
-                    raise InvalidRequest(chunk["error"], param="rid")
-                finished = chunk["meta_info"]["finish_reason"] is not None
-                yield chunk
+                item = await queue.get()
+                if isinstance(item, InvalidRequest):
+                    raise item
+                finished = item["meta_info"]["finish_reason"] is not None
+                yield item
         finally:
             if not finished:
                 self.abort(req.rid)
 
-    async def _generate_one(self, prompt: Prompt, params: Any, rid: str | None, return_logprob: bool, top_k: int) -> dict[str, Any]:
+    async def _generate_one(
+        self, prompt: Prompt, params: SamplingInput, rid: str | None, return_logprob: bool, top_k: int
+    ) -> GenerateOutput:
         req, queue = await self._submit(prompt, params, rid, False, return_logprob, top_k)
         try:
-            chunk = await queue.get()
+            item = await queue.get()
         except asyncio.CancelledError:
             self.abort(req.rid)
             raise
-        if "error" in chunk:
-            raise InvalidRequest(chunk["error"], param="rid")
-        return chunk
+        if isinstance(item, InvalidRequest):
+            raise item
+        return item
 
     def generate(
         self,
         prompt: Prompt | list[str] | list[list[int]],
-        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        sampling_params: SamplingInput | list[SamplingInput] = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
-    ) -> dict[str, Any] | list[dict[str, Any]]:
+    ) -> GenerateOutput | list[GenerateOutput]:
         batched = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
-        prompts = prompt if batched else [prompt]
+        prompts: list[Prompt] = list(prompt) if batched else [prompt]  # type: ignore[list-item]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequest("sampling_params must match the number of prompts", param="sampling_params")
         loop = self._ensure_started()
 
-        async def run_all() -> list[dict[str, Any]]:
-            return list(await asyncio.gather(*(self._generate_one(p, sp, None, return_logprob, top_logprobs_num) for p, sp in zip(prompts, params))))  # type: ignore[arg-type]
+        async def run_all() -> list[GenerateOutput]:
+            return list(await asyncio.gather(*(self._generate_one(p, sp, None, return_logprob, top_logprobs_num) for p, sp in zip(prompts, params))))
 
         outs = asyncio.run_coroutine_threadsafe(run_all(), loop).result()
         return outs if batched else outs[0]

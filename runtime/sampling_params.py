@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from runtime.errors import InvalidParam, InvalidRequest
 
 CLIP_MAX_NEW_TOKENS = 4096
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's; a request without a budget gets this, cut to the context left
 INT32_MAX = 2**31 - 1  # caps the decode budget one request reserves in PrefillAdder
 SEED_END = 2**63  # seeds are non-negative int64s
 MAX_TOP_LOGPROBS = 20  # alternatives per output token
@@ -58,8 +59,12 @@ class ParamSpec:
     def range_text(self) -> str:
         lo = f"[{_num(self.ge)}" if self.ge is not None else f"({_num(self.gt)}" if self.gt is not None else ""
         hi = f"{_num(self.le)}]" if self.le is not None else f"{_num(self.lt)})" if self.lt is not None else ""
-        text = f"in {lo}, {hi}" if lo and hi else f">= {lo[1:]}" if lo.startswith("[") else f"> {lo[1:]}" if lo else ""
-        return f"{_num(self.off)} (off) or {text}" if self.off is not None else text
+        return f"in {lo}, {hi}" if lo and hi else f">= {lo[1:]}" if lo.startswith("[") else f"> {lo[1:]}" if lo else ""
+
+    def rule(self, kind: str) -> str:
+        """The rule in words: "must be an integer in [0, 2**63)"."""
+        rule = f"{kind} {self.range_text()}".rstrip()
+        return f"must be {_num(self.off)} (off) or {rule}" if self.off is not None else f"must be {rule}"
 
     def json_schema(self) -> dict[str, float]:
         """JSON-schema bounds; with `off`, the minimum takes it in."""
@@ -79,7 +84,7 @@ def _list_param(doc: str, **bounds: float) -> Any:
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_new_tokens: int = _param(128, "Most tokens to generate.", ge=1, le=INT32_MAX)
+    max_new_tokens: int = _param(DEFAULT_MAX_NEW_TOKENS, "Most tokens to generate.", ge=1, le=INT32_MAX)
     min_new_tokens: int = _param(0, "Tokens generated before EOS or a stop may end the output.", ge=0, le=INT32_MAX)
     temperature: float = _param(1.0, "Sampling temperature; 0 = greedy.", ge=0.0, le=2.0)
     top_p: float = _param(1.0, "Nucleus sampling: the smallest set of tokens with this much probability.", gt=0.0, le=1.0)
@@ -152,10 +157,10 @@ def _violation(hint: object, spec: ParamSpec, value: object) -> str | None:
         return None if ok else "must be a non-empty string or a list of non-empty strings"
     if hint == list[int]:
         ok = isinstance(value, list) and all(_is_int(t) and spec.admits(t) for t in value)
-        return None if ok else f"must be a list of integers {spec.range_text()}"
+        return None if ok else spec.rule("a list of integers")
     if hint == int | None and value is None:
         return None
     kind, ok = ("a number", _is_number(value)) if hint is float else ("an integer", _is_int(value))
     if not ok or not spec.admits(value):  # type: ignore[arg-type]  # a number once `ok`
-        return f"must be {kind} {spec.range_text()}".rstrip()
+        return spec.rule(kind)
     return None

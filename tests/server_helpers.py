@@ -1,4 +1,5 @@
-"""Helpers for the server suites: real `sluice serve` subprocesses, SSE parsing, polling.
+"""Helpers for the server suites: real `sluice serve` subprocesses, SSE parsing, polling,
+and the in-process app over a scripted fake engine.
 
 Servers are process-wide singletons keyed by their flags (`shared_server`), started on
 first use and stopped at interpreter exit, so several test modules share one server
@@ -15,12 +16,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 import orjson
+import pytest
+
+from app.factory import create_app
+from app.state import AppState, Phase
+from app.tokens import TokenizerService
+from config import EngineSettings, ServerSettings
+from runtime.errors import InvalidRequest
+from runtime.managers.io_struct import GenerateOutput, MetaInfo
+from runtime.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
@@ -142,6 +152,19 @@ def shared_server(*flags: str, api_key: str | None = None) -> ServerProcess:
     return server
 
 
+# The server with tight limits that several suites share (one process for all of them).
+LIMITED_API_KEY = "sk-test-sluice"
+LIMITED_BODY_BYTES = 2048
+
+
+def limited_server() -> ServerProcess:
+    """One running request, one queued, a 2 KiB body limit, and an API key."""
+    return shared_server(
+        "--max-running-requests", "1", "--max-queued-requests", "1",
+        "--max-request-body-bytes", str(LIMITED_BODY_BYTES), api_key=LIMITED_API_KEY,
+    )
+
+
 @atexit.register
 def _stop_servers() -> None:
     for server in _servers.values():
@@ -179,3 +202,106 @@ def assert_error_envelope(response: httpx.Response, status: int) -> dict[str, An
     assert set(error) == {"message", "type", "param", "code"}, error
     assert isinstance(error["message"], str) and error["message"]
     return dict(error)
+
+
+# ---- the app in-process over a fake engine ------------------------------------------------
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte; enough of the HF tokenizer API for the app."""
+
+    def __len__(self) -> int:
+        return 256
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int], **_: Any) -> str:
+        return bytes(ids).decode(errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool) -> str:
+        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+
+
+class FakeModelConfig:
+    context_len = 64
+
+
+def fake_logprob(token_id: int) -> float:
+    return -token_id / 256
+
+
+class FakeEngine:
+    """Streams the prompt back one byte per delta chunk, as the engine's contract says
+    (logprobs included when asked); `fail` scripts what goes wrong, `calls` records the
+    params of every request."""
+
+    def __init__(self) -> None:
+        self.tokenizer = ByteTokenizer()
+        self.model_config = FakeModelConfig()
+        self.settings = EngineSettings()
+        self.num_waiting_reqs = 0
+        self.num_running_reqs = 0
+        self.fail: str | None = None  # "invalid" | "mid_stream" | "crash"
+        self.aborted: list[str] = []
+        self.calls: list[SamplingParams] = []
+
+    def get_server_info(self) -> dict[str, Any]:
+        return {"max_total_num_tokens": 4096, "num_running_reqs": 0, "num_waiting_reqs": self.num_waiting_reqs}
+
+    def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+
+    def async_generate_stream(self, prompt: list[int], params: SamplingParams, rid: str = "",
+                              return_logprob: bool = False, top_logprobs_num: int = 0) -> AsyncGenerator[GenerateOutput, None]:
+        return self._stream(prompt, params, rid, return_logprob, top_logprobs_num)
+
+    async def _stream(self, prompt: list[int], params: SamplingParams, rid: str, return_logprob: bool,
+                      top_logprobs_num: int) -> AsyncGenerator[GenerateOutput, None]:
+        if self.fail == "invalid":
+            raise InvalidRequest("top_k is out of range", param="top_k")
+        params.validate()  # the engine's check, as the real one runs it
+        self.calls.append(params)
+        out = prompt[: params.max_new_tokens]
+        for i, token in enumerate(out, start=1):
+            if self.fail == "crash" or (self.fail == "mid_stream" and i == 2):
+                raise RuntimeError("worker died")
+            done = i == len(out)
+            meta: MetaInfo = {
+                "id": rid, "prompt_tokens": len(prompt), "completion_tokens": i, "cached_tokens": 0,
+                "finish_reason": {"type": "length", "matched": i} if done else None, "queue_time": 0.0,
+                "first_token_time": None, "e2e_latency": None,
+            }
+            if return_logprob:
+                meta["output_token_logprobs"] = [(fake_logprob(token), token)]
+            if top_logprobs_num:
+                alternatives = [(fake_logprob(token), token), (fake_logprob(token) - 1.0, (token + 1) % 256)]
+                meta["output_top_logprobs"] = [alternatives[:top_logprobs_num]]
+            yield {"text": chr(token), "output_ids": [token], "meta_info": meta}
+
+
+# Fixtures of the in-process suites, which import them: `engine`, `state` (READY, at most two
+# queued requests) and `client` (the ASGI app over them, no lifespan).
+
+
+@pytest.fixture()
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture()
+def state(engine: FakeEngine) -> Iterator[AppState]:
+    state = AppState(ServerSettings(max_queued_requests=2), EngineSettings())
+    state.attach(engine, TokenizerService(engine.tokenizer))  # type: ignore[arg-type]
+    state.phase = Phase.READY
+    yield state
+    assert state.tokens is not None
+    state.tokens.shutdown()
+
+
+@pytest.fixture()
+async def client(state: AppState) -> AsyncIterator[httpx.AsyncClient]:
+    # App exceptions become 500s, as on a server.
+    transport = httpx.ASGITransport(app=create_app(state), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+        yield client

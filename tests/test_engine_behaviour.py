@@ -121,8 +121,10 @@ def test_stream_chunks_concatenate_to_the_final_text(engine: Any) -> None:
         return chunks, whole
 
     chunks, whole = asyncio.run(run())
-    assert "".join(c["delta"] for c in chunks) == whole["text"] == chunks[-1]["text"]
-    assert all("\ufffd" not in c["delta"] for c in chunks)
+    # Chunks are deltas: concatenated, they are the non-streamed output.
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
+    assert all("\ufffd" not in c["text"] for c in chunks)
     assert chunks[-1]["meta_info"]["finish_reason"] is not None
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
 

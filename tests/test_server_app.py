@@ -4,97 +4,10 @@ startup and draining) in milliseconds, without loading a model."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
-
 import httpx
-import pytest
+from server_helpers import FakeEngine, client, engine, state  # noqa: F401 - the fixtures
 
-from app.factory import create_app
 from app.state import AppState, Phase
-from app.tokens import TokenizerService
-from config import EngineSettings, ServerSettings
-from runtime.errors import InvalidRequest
-
-
-class ByteTokenizer:
-    """One token per UTF-8 byte; enough of the HF tokenizer API for the app."""
-
-    def __len__(self) -> int:
-        return 256
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: list[int], **_: Any) -> str:
-        return bytes(ids).decode(errors="replace")
-
-    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool) -> str:
-        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
-
-
-class ModelConfig:
-    context_len = 64
-
-
-class FakeEngine:
-    """Streams the prompt back one byte per chunk; `fail` scripts what goes wrong."""
-
-    def __init__(self) -> None:
-        self.tokenizer = ByteTokenizer()
-        self.model_config = ModelConfig()
-        self.settings = EngineSettings()
-        self.num_waiting_reqs = 0
-        self.num_running_reqs = 0
-        self.fail: str | None = None  # "invalid" | "mid_stream" | "crash"
-        self.aborted: list[str] = []
-
-    def get_server_info(self) -> dict[str, Any]:
-        return {"max_total_num_tokens": 4096, "num_running_reqs": 0, "num_waiting_reqs": self.num_waiting_reqs}
-
-    def abort(self, rid: str) -> None:
-        self.aborted.append(rid)
-
-    def async_generate(self, prompt: list[int], params: dict[str, Any], stream: bool = False, rid: str = "",
-                       return_logprob: bool = False, top_logprobs_num: int = 0) -> AsyncIterator[dict[str, Any]]:
-        assert stream, "the app always streams from the engine"
-        return self._stream(prompt, params, rid)
-
-    async def _stream(self, prompt: list[int], params: dict[str, Any], rid: str) -> AsyncIterator[dict[str, Any]]:
-        if self.fail == "invalid":
-            raise InvalidRequest("top_k is out of range", param="top_k")
-        out = prompt[: params["max_new_tokens"]]
-        for i in range(1, len(out) + 1):
-            if self.fail == "crash" or (self.fail == "mid_stream" and i == 2):
-                raise RuntimeError("worker died")
-            done = i == len(out)
-            meta = {"id": rid, "prompt_tokens": len(prompt), "completion_tokens": i, "cached_tokens": 0,
-                    "finish_reason": {"type": "length", "matched": i} if done else None, "queue_time": 0.0}
-            yield {"text": bytes(out[:i]).decode(errors="replace"), "delta": chr(out[i - 1]), "output_ids": out[:i],
-                   "meta_info": meta}
-
-
-@pytest.fixture()
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-@pytest.fixture()
-def state(engine: FakeEngine) -> Iterator[AppState]:
-    state = AppState(ServerSettings(max_queued_requests=2), EngineSettings())
-    state.attach(engine, TokenizerService(engine.tokenizer))  # type: ignore[arg-type]
-    state.phase = Phase.READY
-    yield state
-    assert state.tokens is not None
-    state.tokens.shutdown()
-
-
-@pytest.fixture()
-async def client(state: AppState) -> AsyncIterator[httpx.AsyncClient]:
-    # No lifespan: the engine is attached above. App exceptions become 500s, as on a server.
-    transport = httpx.ASGITransport(app=create_app(state), raise_app_exceptions=False)
-    async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
-        yield client
 
 
 def _events(body: bytes) -> list[bytes]:

@@ -9,31 +9,31 @@ import httpx
 import openai
 import pytest
 from server_helpers import (
+    LIMITED_API_KEY,
+    LIMITED_BODY_BYTES,
     MODEL,
     ServerProcess,
     assert_error_envelope,
     iter_sse,
+    limited_server,
     poll_until,
-    shared_server,
     sse_payloads,
 )
 
-API_KEY = "sk-test-sluice"
-BODY_LIMIT = 2048
+API_KEY = LIMITED_API_KEY
+BODY_LIMIT = LIMITED_BODY_BYTES
 
 
 @pytest.fixture(scope="module")
 def limited() -> ServerProcess:
-    return shared_server(
-        "--max-running-requests", "1", "--max-queued-requests", "1",
-        "--max-request-body-bytes", str(BODY_LIMIT), api_key=API_KEY,
-    )
+    return limited_server()
 
 
 @pytest.mark.parametrize(
     ("method", "path"),
     [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/generate"),
-     ("GET", "/get_server_info"), ("POST", "/flush_cache"), ("GET", "/openapi.json"), ("GET", "/no-such-route")],
+     ("GET", "/get_server_info"), ("POST", "/flush_cache"), ("GET", "/openapi.json"), ("GET", "/no-such-route"),
+     ("GET", "/health_generate")],
 )
 def test_missing_or_wrong_api_key_is_401(limited: ServerProcess, method: str, path: str) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
@@ -43,8 +43,13 @@ def test_missing_or_wrong_api_key_is_401(limited: ServerProcess, method: str, pa
 
 
 def test_probes_and_metrics_need_no_key(limited: ServerProcess) -> None:
-    for path in ("/health", "/health_generate", "/metrics"):
+    for path in ("/health", "/metrics"):
         assert httpx.get(f"{limited.base_url}{path}", timeout=30).status_code == 200, path
+
+
+def test_health_generate_runs_the_model_only_with_the_key(limited: ServerProcess) -> None:
+    assert_error_envelope(httpx.get(f"{limited.base_url}/health_generate", timeout=30), 401)
+    assert httpx.get(f"{limited.base_url}/health_generate", headers=limited.headers, timeout=30).status_code == 200
 
 
 def test_the_right_key_works_with_the_openai_client(limited: ServerProcess) -> None:

@@ -42,7 +42,11 @@ def test_completion_greedy_text_equals_offline_engine(client: openai.OpenAI, off
     assert r.usage.prompt_tokens == expected["meta_info"]["prompt_tokens"]
     assert r.usage.completion_tokens == expected["meta_info"]["completion_tokens"]
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    assert r.usage.prompt_tokens_details is not None and r.usage.prompt_tokens_details.cached_tokens >= 0
+    # The same prompt again is served from the prefix cache (all but the token it must compute).
+    again = client.completions.create(**_greedy(prompt=prompt, max_tokens=12))
+    assert again.usage.prompt_tokens_details is not None
+    assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+    assert again.choices[0].text == r.choices[0].text
 
 
 def test_chat_greedy_text_equals_offline_engine_on_the_chat_template(client: openai.OpenAI, offline_engine: Any) -> None:

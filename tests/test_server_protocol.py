@@ -92,7 +92,8 @@ def test_bad_chat_fields_are_400_envelopes(http: httpx.Client) -> None:
 
 def test_malformed_json_and_non_object_bodies_are_400(http: httpx.Client) -> None:
     for raw in (b"{bad json", b"", b"[1, 2]", b"null", b'"text"', b"\xff\xfe"):
-        error = assert_error_envelope(http.post("/v1/completions", content=raw), 400)
+        r = http.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+        error = assert_error_envelope(r, 400)
         assert error["message"]
 
 

@@ -38,6 +38,7 @@ class IncrementalDetokenizer:
         self.no_stop_trim = no_stop_trim
         self.text = ""  # decoded so far (may hold back a partial stop string)
         self.sent = 0  # chars of `text` already released
+        self.ids_sent = 0  # output tokens (and their logprobs) already handed to the caller
         self.matched_stop: str | None = None
         # Fast tokenizers without clean-up decode straight in Rust: transformers'
         # wrapper costs ~10x the decode itself, twice per token per stream.
@@ -96,7 +97,3 @@ class IncrementalDetokenizer:
         delta = self.text[self.sent : end]
         self.sent = end
         return delta
-
-    @property
-    def output_text(self) -> str:
-        return self.text[: self.sent]

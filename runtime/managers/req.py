@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from runtime.managers.io_struct import FinishReasonJSON
 from runtime.model_executor.worker import BatchResult
 from runtime.sampling_params import SamplingParams
 
@@ -24,8 +25,8 @@ class FinishReason:
     matched: int | str | None = None
     message: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"type": self.type, "matched": self.matched}
+    def to_json(self) -> FinishReasonJSON:
+        out: FinishReasonJSON = {"type": self.type, "matched": self.matched}
         if self.message:
             out["message"] = self.message
         return out

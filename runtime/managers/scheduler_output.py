@@ -7,10 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime.managers.detokenizer import IncrementalDetokenizer
+from runtime.managers.io_struct import GenerateOutput, MetaInfo
 from runtime.managers.req import Req
 
-
-Sink = Callable[[dict[str, Any]], None]
+Sink = Callable[[GenerateOutput], None]
 
 
 class OutputProcessor:
@@ -58,21 +58,24 @@ class OutputProcessor:
             return True
         detok = self.detoks[req.rid]
         detok.feed(req.output_ids, check_stop=len(req.output_ids) >= req.sampling_params.min_new_tokens)
-        delta = detok.release(finished)
+        text = detok.release(finished)
+        # Chunks are deltas (io_struct): tokens [start, now) have not been handed out yet.
+        start, detok.ids_sent = detok.ids_sent, len(req.output_ids)
         if finished:
             req.finished_time = time.monotonic()
             self.sinks.pop(req.rid, None)
             self.detoks.pop(req.rid, None)
         try:
-            sink(self._chunk(req, detok.output_text, delta))
+            sink(self._chunk(req, text, start))
         except Exception:  # the consumer is gone
             self.sinks.pop(req.rid, None)
             return False
         return True
 
     @staticmethod
-    def _chunk(req: Req, text: str, delta: str) -> dict[str, Any]:
-        meta: dict[str, Any] = {
+    def _chunk(req: Req, text: str, start: int) -> GenerateOutput:
+        """The output of `req` from output token `start` on, with `text` released since the last chunk."""
+        meta: MetaInfo = {
             "id": req.rid,
             "prompt_tokens": len(req.origin_input_ids),
             "completion_tokens": len(req.output_ids),
@@ -83,7 +86,7 @@ class OutputProcessor:
             "e2e_latency": None if req.finished_time is None else req.finished_time - req.arrival_time,
         }
         if req.return_logprob:
-            meta["output_token_logprobs"] = list(req.output_token_logprobs)
+            meta["output_token_logprobs"] = req.output_token_logprobs[start:]
             if req.top_logprobs_num > 0:
-                meta["output_top_logprobs"] = list(req.output_top_logprobs)
-        return {"text": text, "delta": delta, "output_ids": list(req.output_ids), "meta_info": meta}
+                meta["output_top_logprobs"] = req.output_top_logprobs[start:]
+        return {"text": text, "output_ids": req.output_ids[start:], "meta_info": meta}

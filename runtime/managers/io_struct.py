@@ -1,0 +1,38 @@
+"""What the engine hands its callers: one `GenerateOutput` per emitted chunk.
+
+Chunks are deltas: each carries only the text, token ids and logprobs that are new
+since the previous chunk of the same request, so concatenating a stream's chunks
+gives the whole output. A non-streamed request gets one chunk holding everything.
+`meta_info` is a snapshot: `completion_tokens` counts every token so far.
+"""
+
+from __future__ import annotations
+
+from typing import NotRequired, TypedDict
+
+TokenLogprob = tuple[float, int]  # (logprob, token_id)
+
+
+class FinishReasonJSON(TypedDict):
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None  # the stop token id or string, or max_new_tokens
+    message: NotRequired[str]
+
+
+class MetaInfo(TypedDict):
+    id: str
+    prompt_tokens: int
+    completion_tokens: int  # all output tokens so far, not just this chunk's
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    finish_reason: FinishReasonJSON | None  # set on the last chunk only
+    queue_time: float
+    first_token_time: float | None
+    e2e_latency: float | None
+    output_token_logprobs: NotRequired[list[TokenLogprob]]  # this chunk's tokens; with return_logprob
+    output_top_logprobs: NotRequired[list[list[TokenLogprob]]]  # this chunk's tokens; with top_logprobs_num > 0
+
+
+class GenerateOutput(TypedDict):
+    text: str  # text released since the previous chunk (never a broken character)
+    output_ids: list[int]  # token ids generated since the previous chunk
+    meta_info: MetaInfo
