@@ -25,6 +25,10 @@ def _serve(ns: argparse.Namespace) -> int:
         print(f"sluice serve: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(server_settings.log_level)
+    if engine_settings.node_rank > 0:  # tensor-parallel ranks only; node 0 serves HTTP
+        from runtime.distributed.launcher import run_worker_node
+
+        return run_worker_node(engine_settings)
     try:
         return run(engine_settings, server_settings)
     except OSError as exc:  # e.g. the port is taken: fail before loading anything

@@ -29,6 +29,9 @@ log = structlog.get_logger("sluice.app")
 
 EngineFactory = Callable[[EngineSettings], "Engine"]
 READY_MESSAGE = "The server is fired up and ready to roll!"
+# After the engine fails, /health answers 503 this long before the process exits
+# non-zero, so probes and waiting clients see why rather than a refused connection.
+FAILED_EXIT_DELAY_S = 2.0
 
 
 def default_engine_factory(settings: EngineSettings) -> Engine:
@@ -73,6 +76,8 @@ async def start_engine(state: AppState, factory: EngineFactory) -> None:
         log.info("loading model", model_path=state.engine_settings.model_path or "<embedded default>")
         engine = await asyncio.to_thread(factory, state.engine_settings)
         await engine.start()
+        loop = asyncio.get_running_loop()
+        engine.add_fatal_listener(lambda reason: loop.call_soon_threadsafe(engine_failed, state, reason))
         state.attach(engine, TokenizerService(engine.tokenizer))
         await _warm_up(state)
         if state.bound is not None:
@@ -88,6 +93,24 @@ async def start_engine(state: AppState, factory: EngineFactory) -> None:
         if state.on_fatal is not None:
             state.on_fatal(exc)
         raise
+
+
+def engine_failed(state: AppState, reason: str) -> None:
+    """On the loop: the engine can no longer serve. Refuse new work, end what runs,
+    then exit non-zero (state.on_fatal) after FAILED_EXIT_DELAY_S."""
+    if state.phase is Phase.FAILED:
+        return
+    state.phase, state.failure = Phase.FAILED, reason
+    log.error("engine failed; the server will exit", reason=reason)
+    if state.engine is not None:
+        state.engine.abort_all()
+
+    async def exit_later() -> None:
+        await asyncio.sleep(FAILED_EXIT_DELAY_S)
+        if state.on_fatal is not None:
+            state.on_fatal(RuntimeError(reason))
+
+    asyncio.get_running_loop().create_task(exit_later(), name="sluice-exit-after-failure")
 
 
 def make_lifespan(factory: EngineFactory) -> Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]:

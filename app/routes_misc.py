@@ -29,6 +29,8 @@ def _not_serving(state: AppState) -> APIError | None:
         return APIError(503, "The server is starting.", code="server_starting")
     if state.phase is Phase.DRAINING:
         return APIError(503, "The server is shutting down.", code="server_shutting_down")
+    if state.phase is Phase.FAILED:
+        return APIError(503, f"The engine failed: {state.failure}", code="engine_failed")
     return None
 
 

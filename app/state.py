@@ -35,6 +35,7 @@ class Phase(enum.Enum):
     STARTING = "starting"
     READY = "ready"
     DRAINING = "draining"
+    FAILED = "failed"  # the engine can no longer serve (a tensor-parallel rank died); exiting
 
 
 class Ticket:
@@ -74,7 +75,8 @@ class AppState:
     rids: set[str] = field(default_factory=set)
     context_limit: int = 0  # set by attach()
     bound: tuple[str, int] | None = None  # listening address, when served over a socket
-    on_fatal: Callable[[BaseException], None] | None = None  # the engine failed to start
+    on_fatal: Callable[[BaseException], None] | None = None  # the engine failed (to start, or later)
+    failure: str | None = None  # why, once phase is FAILED
     metrics: Metrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -123,6 +125,8 @@ class AppState:
             raise APIError(503, "The server is starting; the model is warming up.", code="server_starting")
         if self.phase is Phase.DRAINING:
             raise APIError(503, "The server is shutting down.", code="server_shutting_down")
+        if self.phase is Phase.FAILED:
+            raise APIError(503, f"The engine failed: {self.failure}", code="engine_failed")
         limit = self.server.max_queued_requests
         if limit is not None and max(engine.num_waiting_reqs, self.not_started) >= limit:
             raise APIError(

@@ -38,6 +38,7 @@ class TensorParallel:
     channel: BatchChannel
 
     def close(self) -> None:
+        self.group.stop_watching()
         if self.group.failure is None:
             try:
                 self.channel.shutdown()

@@ -119,7 +119,7 @@ class TPGroup:
     def _watch(self) -> None:
         while not self._stop.wait(WATCHDOG_INTERVAL_S):
             for rank, proc in self.procs.items():
-                if not proc.is_alive():
+                if not proc.is_alive() and not self._stop.is_set():
                     self.fail(f"tensor-parallel rank {rank} exited with code {proc.exitcode}")
                     return
 
@@ -132,6 +132,10 @@ class TPGroup:
         log.error("tensor-parallel group failed", reason=reason)
         if self.on_failure is not None:
             self.on_failure(reason)
+
+    def stop_watching(self) -> None:
+        """Before an orderly shutdown: workers about to exit are not a failure."""
+        self._stop.set()
 
     def wait(self) -> int:
         """Workers-only node: block until every local rank has exited; the worst exit code."""
@@ -148,3 +152,14 @@ class TPGroup:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(JOIN_TIMEOUT_S)
+
+
+def run_worker_node(settings: EngineSettings) -> int:
+    """`sluice serve --node-rank N` (N > 0): run this node's ranks, no HTTP. Returns
+    when they exit (rank 0 shut the group down, or it failed): the worst exit code."""
+    ranks = list(local_ranks(settings))
+    log.info("tensor-parallel worker node", node_rank=settings.node_rank, ranks=ranks, init=settings.dist_init_addr)
+    group = TPGroup(settings, init_method(settings), ranks)
+    group.start()
+    group.stop_watching()  # here the ranks' own exit codes are the outcome
+    return group.wait()
