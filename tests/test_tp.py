@@ -70,3 +70,17 @@ def test_tp2_kv_pool_holds_only_this_ranks_heads(tp_engine: Any) -> None:
     engine = tp_engine()
     total_kv = engine.model_config.num_kv_heads
     assert engine.worker.kv_pool.num_kv_heads == (1 if total_kv == 1 else total_kv // 2)
+
+
+def test_tp3_on_the_embedded_model_equals_hf(hf_oracle: HFOracle, prompts: list[list[int]]) -> None:
+    """SmolLM2 (9 heads, 3 KV heads) split three ways, GGUF converted once and read sharded."""
+    from runtime import Engine
+
+    engine = Engine(dtype="float32", max_total_tokens=4096, max_running_requests=8, tp_size=3)
+    try:
+        outs = engine.generate(prompts, {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
+        for prompt, out in zip(prompts, outs):
+            assert_greedy_equal(hf_oracle, prompt, out["output_ids"], MAX_NEW)
+        assert_all_memory_free(engine)
+    finally:
+        engine.shutdown()
