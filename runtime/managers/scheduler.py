@@ -231,12 +231,15 @@ class Scheduler:
                 self.tree_cache.cache_unfinished_req(chunked)
 
         last = self.last_batch
+        # Read before merging: merge_prefilled may adopt `last` as the running batch
+        # and turn its mode to DECODE.
+        last_was_extend = last is not None and last.forward_mode.is_extend()
         # With overlap `last` is still running; requests it brings to max_new_tokens
         # end there, so the next batch leaves them out rather than run one step past.
         ends = self.inflight > 0 and last is not None
         if ends and last is not None and last.forward_mode.is_decode():
             self.running_batch.drop_reqs_ending_in_flight()
-        if last is not None and last.forward_mode.is_extend():
+        if last is not None and last_was_extend:
             self.decode.merge_prefilled(last, ends, self.chunked_req)
             self.last_batch = None
 
@@ -244,8 +247,7 @@ class Scheduler:
         # (unless they ride along in mixed batches): streams keep flowing.
         chunk_waits = (
             self.chunked_req is not None
-            and last is not None
-            and last.forward_mode.is_extend()
+            and last_was_extend
             and not self.settings.enable_mixed_chunk
             and not self.running_batch.is_empty()
         )
