@@ -7,7 +7,7 @@ BASE := $(VENV)/.sluice-base
 TEST := $(VENV)/.sluice-test
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install serve test test-gpu clean-cache
+.PHONY: install serve test test-fast test-gpu clean-cache
 
 $(BASE): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,12 @@ serve: $(BASE)
 
 test: $(TEST)
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# Everything without model weights, an HF reference or a server subprocess
+# (tests/conftest.py marks the rest `slow`): the scheduler on a stub worker, pools,
+# policies, configs, chart; under a minute.
+test-fast: $(TEST)
+	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(ARGS)
 
 # On an NVIDIA machine whose python3 already has CUDA torch and flashinfer (docs/gpu.md).
 test-gpu:

@@ -13,7 +13,7 @@ import threading
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 from config.settings import EngineSettings
 from runtime import engine_setup
@@ -248,14 +248,23 @@ class Engine:
         top_logprobs_num: int = 0,
     ) -> GenerateOutput | list[GenerateOutput]:
         batched = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
-        prompts: list[Prompt] = list(prompt) if batched else [prompt]  # type: ignore[list-item]
+        prompts = cast(list[Prompt], list(prompt) if batched else [prompt])
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequest("sampling_params must match the number of prompts", param="sampling_params")
         loop = self._ensure_started()
 
         async def run_all() -> list[GenerateOutput]:
-            return list(await asyncio.gather(*(self._generate_one(p, sp, None, return_logprob, top_logprobs_num) for p, sp in zip(prompts, params))))
+            tasks = [asyncio.ensure_future(self._generate_one(p, sp, None, return_logprob, top_logprobs_num)) for p, sp in zip(prompts, params)]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:
+                # One prompt failed (e.g. invalid params): the others must not run on
+                # unseen. A cancelled _generate_one aborts its request.
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
 
         outs = asyncio.run_coroutine_threadsafe(run_all(), loop).result()
         return outs if batched else outs[0]

@@ -68,7 +68,9 @@ def _pools(settings: EngineSettings, config: ModelConfig) -> MemoryPools:
     )
 
 
-def build_stub(settings: EngineSettings, *, constant_token: int | None = None) -> EngineStack:
+def build_stub(
+    settings: EngineSettings, *, constant_token: int | None = None, tokenizer: PreTrainedTokenizerBase | None = None
+) -> EngineStack:
     """The real scheduler, pools and tokenizer of `settings.model_path` (default: the
     embedded model) around a StubWorker: no weights, no KV tensors, deterministic
     tokens (see runtime/model_executor/stub_worker.py). For fast tests and benchmarks."""
@@ -79,7 +81,8 @@ def build_stub(settings: EngineSettings, *, constant_token: int | None = None) -
     model_dir = prepare_model_dir(settings.model_path, settings.load_format)
     config = ModelConfig.from_pretrained(model_dir, torch.float32, settings.context_length)
     settings = resolve_settings(dataclasses.replace(settings, device="cpu"), "cpu", config, config.num_kv_heads)
-    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or model_dir)
+    if tokenizer is None:  # reading it is most of this function's time: tests pass one in
+        tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or model_dir)
     pools = _pools(settings, config)
     assert settings.max_total_tokens
     worker = StubWorker(

@@ -1,4 +1,8 @@
-"""Shared fixtures: the default model, an HF transformers greedy oracle, engines."""
+"""Shared fixtures: the default model, an HF transformers greedy oracle, engines
+(real ones, and stub-worker ones for the fast tier), and the `slow` mark.
+
+`make test-fast` runs `-m "not slow and not gpu"`: everything that needs no model
+weights, no HF reference and no server subprocess, in well under a minute."""
 
 from __future__ import annotations
 
@@ -137,3 +141,60 @@ def make_engine() -> Iterator[Callable[..., Any]]:
 def make_module_engine() -> Iterator[Callable[..., Any]]:
     """Engines shared by one test module."""
     yield from _engine_factory()
+
+
+@pytest.fixture
+def make_stub() -> Iterator[Callable[..., Any]]:
+    """Engines around a StubWorker (tests/stub_engine.py) for one test. Each must end
+    with every KV slot and request row free after a flush: checked here, after the
+    test body, for every scenario; then they are shut down."""
+    from tests.stub_engine import stub_engine
+
+    made: list[Any] = []
+
+    def make(**overrides: Any) -> Any:
+        made.append(stub_engine(**overrides))
+        return made[-1]
+
+    yield make
+    try:
+        for engine in made:
+            assert_all_memory_free(engine)
+    finally:
+        for engine in made:
+            engine.shutdown()
+
+
+# ---- the slow mark ---------------------------------------------------------------------
+
+# A test using any of these loads real weights, builds an HF reference, spawns
+# tensor-parallel ranks, or starts a `sluice serve` subprocess (the server fixtures
+# of tests/test_server_*.py, test_tp_server.py and test_bench.py). A new fixture
+# like them belongs here, or `make test-fast` runs it.
+SLOW_FIXTURES = frozenset(
+    {
+        "hf_oracle", "make_engine", "make_module_engine", "smollm2",  # conftest.py, test_models.py
+        "server", "servers", "limited", "offline_engine", "tiny_server", "cluster",  # server suites, test_bench.py
+        "tp_engine", "tp_logits",  # test_tp.py, test_tp_layers.py
+    }
+)
+# Slow without any of those fixtures: node ids (parameters aside), or a file for all its tests.
+SLOW_TESTS = frozenset(
+    {
+        "tests/test_server_shutdown.py",  # starts its own servers
+        "tests/test_bench_tp.py::test_all_reduce_bench_reports_latencies_and_the_collective_share",  # spawns TP ranks
+        "tests/test_models.py::test_gguf_q_k_rows_are_unpermuted_to_hf_layout",  # reads the real GGUF
+    }
+)
+
+
+def is_slow(item: pytest.Item) -> bool:
+    path = item.nodeid.split("::", 1)[0]
+    name = item.nodeid.split("[", 1)[0]
+    return bool(SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ()))) or path in SLOW_TESTS or name in SLOW_TESTS
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if is_slow(item):
+            item.add_marker(pytest.mark.slow)

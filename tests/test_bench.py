@@ -15,6 +15,7 @@ import pytest
 
 from bench.datasets import TokenSampler, build_requests, exact_text
 from bench.metrics import RequestResult, compute_metrics, format_report
+from tests.server_helpers import ServerProcess
 
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -38,27 +39,33 @@ ENGINE_FLAGS = ["--load-format", "dummy", "--max-total-tokens", "8192", "--max-r
 
 
 @pytest.fixture(scope="module")
-def tiny_stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[tuple[Path, Any]]:
-    """A 2-layer Llama config with the default model's (SmolLM2) tokenizer, no weights;
-    and a `sluice serve` of it with dummy weights, started now (it loads while the
-    in-process tests run) and awaited by the serving tests."""
-    from tests.server_helpers import ServerProcess
-
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
+    """A 2-layer Llama config with the default model's (SmolLM2) tokenizer, no weights."""
     out = tmp_path_factory.mktemp("tiny-llama")
     (out / "config.json").write_text(json.dumps(TINY_CONFIG))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (model_dir / name).is_file():
             shutil.copy(model_dir / name, out / name)
-    server = ServerProcess("--model-path", str(out), "--load-format", "dummy", "--max-running-requests", "16").start()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_server_process(tiny_model: Path) -> Iterator[ServerProcess]:
+    """A `sluice serve` of the tiny model with dummy weights, started (not yet ready)."""
+    server = ServerProcess("--model-path", str(tiny_model), "--load-format", "dummy", "--max-running-requests", "16").start()
     try:
-        yield out, server
+        yield server
     finally:
         server.stop()
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tiny_stack: tuple[Path, Any]) -> Path:
-    return tiny_stack[0]
+@pytest.fixture(scope="module", autouse=True)
+def start_tiny_server_early(request: pytest.FixtureRequest) -> None:
+    """When this run includes the serving tests, their server starts with the module
+    and loads while the in-process tests run."""
+    selected = (item for item in request.session.items if item.path == request.path)
+    if any("tiny_server" in getattr(item, "fixturenames", ()) for item in selected):
+        request.getfixturevalue("tiny_server_process")
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -133,16 +140,19 @@ def test_offline_with_variant_and_hf_counts_every_token(tiny_model: Path, tmp_pa
     assert [line["tool"] for line in lines] == ["offline", "offline", "hf"] and lines[0]["args"]["num_prompts"] == 6
 
 
-def test_offline_stream_measures_ttft_and_itl(tiny_model: Path) -> None:
+def test_offline_stream_measures_ttft_and_itl_and_counts_shared_prefix_hits(tiny_model: Path) -> None:
     from bench import offline
 
-    ns = parse("offline", "--model-path", str(tiny_model), *ENGINE_FLAGS, "--stream", "--dataset-name", "generated-shared-prefix",
-               "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "64",
-               "--gsp-question-len", "8", "--gsp-output-len", "6", "--disable-tqdm")
+    # One request at a time: in each group of 3, the first computes the 64-token
+    # system prompt and the other two find it in the prefix cache.
+    ns = parse("offline", "--model-path", str(tiny_model), *ENGINE_FLAGS, "--max-running-requests", "1", "--stream",
+               "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3",
+               "--gsp-system-prompt-len", "64", "--gsp-question-len", "8", "--gsp-output-len", "6", "--disable-tqdm")
     (r,) = offline.run(ns)
     assert r["completed"] == 6 and r["failed"] == 0 and r["total_output_tokens"] == 36 and r["total_input_tokens"] == 6 * 72
     assert r["mean_ttft_ms"] <= r["mean_e2e_ms"] and r["max_ttft_ms"] <= r["max_e2e_ms"]
-    assert r["median_itl_ms"] > 0 and r["total_cached_tokens"] >= 0
+    assert r["median_itl_ms"] > 0
+    assert r["total_cached_tokens"] == 2 * 2 * 64 == r["server_info"]["cached_tokens_total"]
 
 
 def test_one_batch_reports_prefill_and_decode(tiny_model: Path) -> None:
@@ -182,8 +192,8 @@ def test_chunked_itl_compares_chunk_sizes(tiny_model: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tiny_stack: tuple[Path, Any]) -> Any:
-    return tiny_stack[1].wait_ready()
+def tiny_server(tiny_server_process: ServerProcess) -> ServerProcess:
+    return tiny_server_process.wait_ready()
 
 
 @pytest.mark.parametrize("backend", ["sluice", "openai", "openai-chat"])

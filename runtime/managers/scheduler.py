@@ -296,9 +296,7 @@ class Scheduler:
             reason: FinishReason | None
             if req.to_abort:
                 reason = aborted()
-            elif req.sampling_params.max_new_tokens == 0:
-                reason = FinishReason("length", 0)
-            else:
+            else:  # max_new_tokens >= 1 (SamplingParams): every forward yields one token
                 num_tokens += 1
                 req.output_ids.append(result.next_token_ids[i])
                 if req.return_logprob:

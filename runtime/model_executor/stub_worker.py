@@ -18,14 +18,16 @@ from runtime.model_executor.future_map import FutureMap
 from runtime.model_executor.worker import BatchResult, ModelWorkerBatch, write_req_to_token
 
 _MULT = 0x9E3779B1  # Knuth's multiplicative hash constant
-_MASK = (1 << 61) - 1
+# A prime modulus (2**61 - 1): with a power of two, vocab sizes sharing its factors
+# (49152 = 3 * 2**14) drive the low bits to a fixed point within ~14 tokens.
+_PRIME = (1 << 61) - 1
 
 
 def next_token(tokens: list[int], vocab_size: int) -> int:
     """A deterministic "model": a polynomial hash of the whole sequence, in the vocab."""
     h = 0
     for t in tokens:
-        h = (h * _MULT + t + 1) & _MASK
+        h = (h * _MULT + t + 1) % _PRIME
     return h % vocab_size
 
 
