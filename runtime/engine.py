@@ -11,9 +11,9 @@ import asyncio
 import dataclasses
 import threading
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, cast, overload
+from typing import Any, cast
 
 from config.settings import EngineSettings
 from runtime import engine_setup
@@ -172,32 +172,16 @@ class Engine:
         self.output.register(req, deliver, stream)
         self.scheduler.add_request(req)
 
-    @overload
-    def async_generate(
-        self, prompt: Prompt, sampling_params: SamplingInput = None, stream: Literal[False] = False,
-        rid: str | None = None, return_logprob: bool = False, top_logprobs_num: int = 0,
-    ) -> Coroutine[Any, Any, GenerateOutput]: ...
-
-    @overload
-    def async_generate(
-        self, prompt: Prompt, sampling_params: SamplingInput = None, *, stream: Literal[True],
-        rid: str | None = None, return_logprob: bool = False, top_logprobs_num: int = 0,
-    ) -> AsyncIterator[GenerateOutput]: ...
-
-    def async_generate(
+    async def async_generate(
         self,
         prompt: Prompt,
         sampling_params: SamplingInput = None,
-        stream: bool = False,
         rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
-    ) -> Coroutine[Any, Any, GenerateOutput] | AsyncIterator[GenerateOutput]:
-        """Await the whole output of one prompt. `stream=True` is the older spelling of
-        `async_generate_stream`, kept for existing callers."""
-        if stream:
-            return self.async_generate_stream(prompt, sampling_params, rid, return_logprob, top_logprobs_num)
-        return self._generate_one(prompt, sampling_params, rid, return_logprob, top_logprobs_num)
+    ) -> GenerateOutput:
+        """The whole output of one prompt. Cancelling the awaiting task aborts the request."""
+        return await self._generate_one(prompt, sampling_params, rid, return_logprob, top_logprobs_num)
 
     def async_generate_stream(
         self,

@@ -87,7 +87,7 @@ def generate_all(
 
 def submit(engine: Engine, rid: str, prompt: list[int], params: dict[str, Any]) -> Awaitable[Output]:
     """One request with a known rid, from the caller's loop."""
-    return cast(Awaitable[Output], engine.async_generate(prompt, params, rid=rid))
+    return engine.async_generate(prompt, params, rid=rid)
 
 
 def greedy(max_new_tokens: int, **params: Any) -> dict[str, Any]:

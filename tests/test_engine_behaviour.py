@@ -116,7 +116,7 @@ def test_stream_chunks_concatenate_to_the_final_text(engine: Any) -> None:
     prompt = "Repeat after me: 你好，世界 🌍🚀 — ok."
 
     async def run() -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        chunks = [c async for c in engine.async_generate(prompt, {"max_new_tokens": 24, "temperature": 0}, stream=True)]
+        chunks = [c async for c in engine.async_generate_stream(prompt, {"max_new_tokens": 24, "temperature": 0})]
         whole = await engine.async_generate(prompt, {"max_new_tokens": 24, "temperature": 0})
         return chunks, whole
 
@@ -132,7 +132,7 @@ def test_stream_chunks_concatenate_to_the_final_text(engine: Any) -> None:
 def test_closing_a_stream_aborts_and_frees_its_kv(engine: Any) -> None:
     async def run() -> int:
         seen = 0
-        stream = engine.async_generate(PROMPT, {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True}, stream=True)
+        stream = engine.async_generate_stream(PROMPT, {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True})
         async for _ in stream:
             seen += 1
             if seen == 3:

@@ -6,8 +6,7 @@ the other requests' outputs equal to the oracle, and frees every KV slot and row
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable
-from typing import cast
+from collections.abc import Callable
 
 import pytest
 
@@ -119,7 +118,7 @@ async def test_closing_a_stream_aborts_its_request_and_frees_its_memory(make_stu
     engine = make_stub()
     (prompt,) = make_prompts([25])
     pause = pause_when(engine, launched(engine, "s", after_tokens=1))
-    stream = cast(AsyncGenerator[Output, None], engine.async_generate(prompt, greedy(1000), stream=True, rid="s"))
+    stream = engine.async_generate_stream(prompt, greedy(1000), rid="s")
     first = await anext(stream)
     await stream.aclose()  # the consumer goes away with the request mid-decode
     pause.release.set()
