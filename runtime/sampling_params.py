@@ -161,6 +161,6 @@ def _violation(hint: object, spec: ParamSpec, value: object) -> str | None:
     if hint == int | None and value is None:
         return None
     kind, ok = ("a number", _is_number(value)) if hint is float else ("an integer", _is_int(value))
-    if not ok or not spec.admits(value):  # type: ignore[arg-type]  # a number once `ok`
+    if not ok or not spec.admits(typing.cast(float, value)):  # a number once `ok`
         return spec.rule(kind)
     return None
