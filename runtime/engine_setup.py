@@ -45,7 +45,8 @@ class TensorParallel:
             except Exception as exc:  # noqa: BLE001 - a rank died while we were stopping
                 log.warning("tensor-parallel shutdown broadcast failed", error=repr(exc))
         self.group.close()
-        destroy_tensor_parallel()
+        # A failed group may never answer again: tearing it down could block on it.
+        destroy_tensor_parallel(abandon=self.group.failure is not None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -126,3 +127,27 @@ def test_tp_size_the_heads_do_not_allow_is_refused_at_startup(servers: list[Serv
     servers.append(server)
     assert server.wait_exit(120) != 0
     assert "tp_size=2 must divide the model's num_attention_heads=9" in server.log_tail(200)
+
+
+def test_a_hung_worker_rank_is_found_by_the_heartbeat_while_idle(checkpoint: Path, servers: list[ServerProcess]) -> None:
+    """A rank that stops answering (SIGSTOP) with no traffic at all: the idle heartbeat's
+    all-reduce times out after --dist-timeout, and the server turns 503 and exits non-zero."""
+    server = ServerProcess("--model-path", str(checkpoint), "--tp-size", "2", "--dist-timeout", "4").start()
+    servers.append(server)
+    server.wait_ready()
+    assert server.proc is not None
+    (worker,) = _worker_ranks(server.proc.pid)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        def health_is_503() -> bool:
+            try:
+                return httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 503
+            except httpx.HTTPError:
+                return False
+
+        # heartbeat every dist_timeout / 4 = 1 s, then up to 4 s for its all-reduce to time out
+        poll_until(health_is_503, timeout=30, what="/health to turn 503 after a rank hung")
+        assert server.wait_exit(60) != 0, server.log_tail()
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the server kills a failed rank itself
+            os.kill(worker, signal.SIGKILL)

@@ -145,12 +145,15 @@ class TPGroup:
         return max((proc.exitcode or 0) for proc in self.procs.values()) if self.procs else 0
 
     def close(self) -> None:
-        """Stop the threads and reap the processes (terminating any that linger)."""
+        """Stop the threads and reap the processes. After an orderly SHUTDOWN they exit
+        by themselves; after a failure they are killed (a hung rank may be stopped,
+        and SIGTERM does not reach a stopped process)."""
         self._stop.set()
         for proc in self.procs.values():
-            proc.join(JOIN_TIMEOUT_S if self.failure is None else 0.5)
+            if self.failure is None:
+                proc.join(JOIN_TIMEOUT_S)
             if proc.is_alive():
-                proc.terminate()
+                proc.kill()
                 proc.join(JOIN_TIMEOUT_S)
 
 

@@ -39,9 +39,11 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     _TP = TPInfo(rank, size, device)
 
 
-def destroy_tensor_parallel() -> None:
+def destroy_tensor_parallel(abandon: bool = False) -> None:
+    """Leave the group. `abandon`: a rank failed, so skip the teardown (which may wait
+    on it); the process is about to exit and the OS reclaims the sockets."""
     global _TP
-    if dist.is_initialized():
+    if dist.is_initialized() and not abandon:
         dist.destroy_process_group()
     _TP = TPInfo(0, 1, _TP.device)
 
