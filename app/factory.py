@@ -35,6 +35,11 @@ def create_app(state: AppState, engine_factory: EngineFactory = default_engine_f
         Route("/flush_cache", routes_native.flush_cache, methods=["POST", "GET"]),
         Route("/get_model_info", routes_native.get_model_info, methods=["GET"]),
         Route("/get_server_info", routes_native.get_server_info, methods=["GET"]),
+        # SGLang's newer names, which sglang-router asks for first (it falls back to the
+        # /get_ ones with a deprecation warning), and the load report it polls.
+        Route("/model_info", routes_native.get_model_info, methods=["GET"]),
+        Route("/server_info", routes_native.get_server_info, methods=["GET"]),
+        Route("/get_load", routes_native.get_load, methods=["GET"]),
         Route("/health", routes_misc.health, methods=["GET"]),
         Route("/health_generate", routes_misc.health_generate, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),

@@ -110,3 +110,19 @@ async def get_server_info(request: Request) -> Response:
         "inflight_requests": state.inflight,
         "version": VERSION,
     })
+
+
+async def get_load(request: Request) -> Response:
+    """SGLang's load report, one entry per data-parallel rank (sluice has one), as
+    sglang-router reads it for its power-of-two policy and its GET /get_loads.
+    num_tokens counts the KV tokens requests hold (evictable cached prefixes count as
+    free); unlike SGLang it leaves out the prompt tokens still waiting in the queue."""
+    info = app_state(request).ready_engine().get_server_info()
+    held = info["max_total_num_tokens"] - info["available_kv_tokens"] - info["evictable_kv_tokens"]
+    waiting = info["num_waiting_reqs"]
+    return JSONResponse([{
+        "dp_rank": 0,
+        "num_reqs": info["num_running_reqs"] + waiting,
+        "num_waiting_reqs": waiting,
+        "num_tokens": held,
+    }])

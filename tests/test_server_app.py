@@ -5,6 +5,7 @@ startup and draining) in milliseconds, without loading a model."""
 from __future__ import annotations
 
 import httpx
+import pytest
 from server_helpers import FakeEngine, client, engine, state  # noqa: F401 - the fixtures
 
 from app.state import AppState, Phase
@@ -73,3 +74,15 @@ async def test_starting_and_draining_answer_503(client: httpx.AsyncClient, state
     state.phase, state.engine = Phase.STARTING, None
     assert (await client.get("/health")).status_code == 503
     assert (await client.post("/v1/completions", json={"prompt": "abc"})).json()["error"]["code"] == "server_starting"
+
+
+async def test_load_report_and_info_aliases_sglang_router_reads(client: httpx.AsyncClient, engine: FakeEngine,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    info = {"max_total_num_tokens": 4096, "available_kv_tokens": 3000, "evictable_kv_tokens": 96,
+            "num_running_reqs": 3, "num_waiting_reqs": 2}
+    monkeypatch.setattr(engine, "get_server_info", lambda: info)
+    # SGLang's shape: a list, one entry per data-parallel rank; the router reads num_tokens.
+    assert (await client.get("/get_load")).json() == [
+        {"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 4096 - 3000 - 96}]
+    for new, old in (("/server_info", "/get_server_info"), ("/model_info", "/get_model_info")):
+        assert (await client.get(new)).json() == (await client.get(old)).json()

@@ -85,3 +85,63 @@ per non-null key of .Values.serve (camelCase -> --kebab-case; booleans as
 - {{ . | toString | quote }}
 {{- end }}
 {{- end }}
+
+{{/* The router (router.enabled): its own names (the "-router" suffix survives the 63
+character limit) and labels, which never select sluice pods. */}}
+{{- define "sluice.router.fullname" -}}
+{{- printf "%s-router" (include "sluice.fullname" . | trunc 56 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "sluice.router.selectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-router" (include "sluice.name" . | trunc 56 | trimSuffix "-") }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "sluice.router.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "sluice.router.selectorLabels" . }}
+app.kubernetes.io/component: router
+app.kubernetes.io/part-of: {{ include "sluice.name" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "sluice.router.image" -}}
+{{- $r := .Values.router.image }}
+{{- $tag := default (printf "%s%s" .Chart.AppVersion $r.tagSuffix) $r.tag }}
+{{- printf "%s:%s" (default .Values.image.repository $r.repository) $tag }}
+{{- end }}
+
+{{/*
+Args of `python -m sglang_router.launch_router`: regular mode, the policy, and
+Kubernetes service discovery of this release's sluice pods (their selector labels) on
+the port they serve, in this namespace only; then the API key, then router.extraArgs.
+*/}}
+{{- define "sluice.router.args" -}}
+- --host
+- 0.0.0.0
+- --port
+- {{ .Values.router.containerPort | int | quote }}
+- --policy
+- {{ .Values.router.policy }}
+- --service-discovery
+- --selector
+{{- range $line := splitList "\n" (include "sluice.selectorLabels" .) }}
+- {{ regexReplaceAll ": " $line "=" | quote }}
+{{- end }}
+- --service-discovery-port
+- {{ .Values.containerPort | int | quote }}
+- --service-discovery-namespace
+- {{ .Release.Namespace }}
+- --prometheus-host
+- 0.0.0.0
+- --prometheus-port
+- {{ .Values.router.metricsPort | int | quote }}
+{{- if include "sluice.apiKeySecret" . }}
+- --api-key
+- $(SLUICE_API_KEY)
+{{- end }}
+{{- range .Values.router.extraArgs }}
+- {{ . | toString | quote }}
+{{- end }}
+{{- end }}
