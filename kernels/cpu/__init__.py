@@ -21,9 +21,23 @@ _SOURCE = Path(__file__).with_name("paged_decode.cpp")
 _loaded: dict[str, Callable[..., torch.Tensor] | None] = {}
 
 
+def _cpu_flags() -> bytes:
+    """The CPU's instruction-set flags: the kernel is built with -march=native, so a
+    build from another CPU (a shared home, a copied cache) must not be reused."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.encode()
+    except OSError:
+        pass
+    import platform
+
+    return f"{platform.machine()} {platform.processor()}".encode()
+
+
 def _build_dir() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice" / "kernels"
-    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags()).hexdigest()[:16]
     path = base / f"paged_decode-{digest}"
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -38,11 +52,13 @@ def load_paged_decode() -> Callable[..., torch.Tensor] | None:
 
             if not is_ninja_available():
                 raise RuntimeError("ninja is not installed")
-            log.info("building the CPU paged-decode kernel (once per machine)...")
+            build_dir = _build_dir()
+            if not any(build_dir.glob("*.so")):
+                log.info("building the CPU paged-decode kernel (once per machine and CPU)...")
             module = load(
                 name="sluice_paged_decode",
                 sources=[str(_SOURCE)],
-                build_directory=str(_build_dir()),
+                build_directory=str(build_dir),
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
