@@ -19,6 +19,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "serving": ("bench.serving", "HTTP client against a running server: TTFT, TPOT, ITL, E2E, throughput."),
     "offline": ("bench.offline", "The datasets through the in-process Engine (optionally vs HF transformers)."),
     "one-batch": ("bench.one_batch", "One static batch: prefill latency, decode step latency."),
+    "quant-linear": ("bench.quant_linear", "Weight-only int8/int4 linear (--quantization) vs fp32/bf16 F.linear per call."),
     "all-reduce": ("bench.all_reduce", "Tensor-parallel collectives: all-reduce latency, and their share of a decode step."),
     "scheduler-overhead": ("bench.scheduler_overhead", "The real Scheduler with a stub forward: CPU time per round."),
     "chunked-itl": ("bench.chunked_itl", "Inter-token latency of running streams while a long prompt arrives."),

@@ -43,6 +43,10 @@ class EngineSettings:
         "auto", "KV cache dtype. auto = the model dtype. bfloat16 under a float32 model halves KV "
         "memory and the KV read of every decode step, at a small accuracy cost."
     )
+    quantization: Literal["none", "int8", "int4"] = knob(
+        "none", "Weight-only quantization of the linear layers, packed at load from the float weights "
+        "(CPU only). int8: per output channel; int4: groups of 32. Embedding and LM head stay float."
+    )
     device: Literal["auto", "cpu", "cuda"] = knob("auto", "Where the model runs. auto = cuda if available.")
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = knob(
         "auto", "How to read weights. dummy = random weights of the configured shape (benchmarks)."

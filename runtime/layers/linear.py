@@ -9,7 +9,8 @@ Parameters are created with `torch.empty` (no init pass): models are built direc
 on the target device in the target dtype, then filled through each parameter's
 `weight_loader` (runtime/layers/weights.py). The weights' layout and matmul belong to
 the layer's `quant_method` (vLLM's and SGLang's seam): `UnquantizedLinearMethod` is
-the HF layout `[out, in]`; a quantized method would create and apply its own.
+the HF layout `[out, in]`; the weight-only methods in runtime/layers/quantization/
+load that same float weight, then `process_weights_after_loading` packs it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class LinearMethod(Protocol):
     def create_weights(self, layer: LinearBase, input_size_per_partition: int, output_size_per_partition: int) -> None:
         """Register the layer's weight parameter(s)."""
 
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Convert the loaded weights to the layout `apply` reads (once, after loading)."""
+
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
 
@@ -48,6 +52,9 @@ class UnquantizedLinearMethod:
 
     def create_weights(self, layer: LinearBase, input_size_per_partition: int, output_size_per_partition: int) -> None:
         layer.weight = nn.Parameter(torch.empty(output_size_per_partition, input_size_per_partition), requires_grad=False)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        pass  # the checkpoint layout is the compute layout
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)

@@ -25,6 +25,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from runtime.layers.quantization import QuantizationName, quantize_linear_layers
 from runtime.model_config import ModelConfig
 from runtime.model_executor.weight_utils import ModelNotFoundError, dummy_weights, iter_safetensors
 from runtime.models.llama import LlamaForCausalLM
@@ -203,13 +204,22 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 @torch.no_grad()
-def load_model(model_dir: Path, config: ModelConfig, load_format: str, device: str, seed: int | None) -> LlamaForCausalLM:
+def load_model(
+    model_dir: Path,
+    config: ModelConfig,
+    load_format: str,
+    device: str,
+    seed: int | None,
+    quantization: QuantizationName = "none",
+) -> LlamaForCausalLM:
     """Build `config.architecture` on `device` in `config.dtype` (no float32 detour),
     holding this tensor-parallel rank's shard (call after `init_tensor_parallel`), and
     fill it from the directory's safetensors, or with seeded dummy weights for `dummy`.
-    Either way a rank reads or generates only its own slices."""
+    Either way a rank reads or generates only its own slices. With `quantization`, the
+    linear layers' float weights are then packed (runtime/layers/quantization/)."""
     cls = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(config.dtype):
         model = cls(config)
     model.load_weights(dummy_weights(model, seed) if load_format == "dummy" else iter_safetensors(model_dir))
+    quantize_linear_layers(model, quantization)
     return model.eval()

@@ -62,6 +62,8 @@ def _agree_min(settings: EngineSettings, device: torch.device) -> EngineSettings
 
 def build_shard(settings: EngineSettings, rank: int, init_method: str | None) -> Shard:
     device = resolve_device(settings.device)
+    if settings.quantization != "none" and device != "cpu":  # the kernels are torch's CPU ones
+        raise SettingsError(f"quantization={settings.quantization} runs on CPU only (device={device})")
     tp = settings.tp_size
     per_node = tp // settings.nnodes
     dev = torch.device(device, rank % per_node) if device == "cuda" else torch.device(device)
@@ -76,7 +78,7 @@ def build_shard(settings: EngineSettings, rank: int, init_method: str | None) ->
     model_dir = prepare_model_dir(settings.model_path, settings.load_format)
     config = ModelConfig.from_pretrained(model_dir, dtype, settings.context_length, settings.kv_cache_dtype)
     kv_heads = kv_heads_per_rank(config.num_kv_heads, tp)
-    model = load_model(model_dir, config, settings.load_format, str(dev), settings.random_seed)
+    model = load_model(model_dir, config, settings.load_format, str(dev), settings.random_seed, settings.quantization)
     settings = _agree_min(resolve_settings(settings, device, config, kv_heads), dev)
     assert settings.max_total_tokens and settings.max_running_requests
     kv_pool = KVPool(settings.max_total_tokens + settings.page_size, config.num_layers, kv_heads, config.head_dim, config.kv_dtype, dev)

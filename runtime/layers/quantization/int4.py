@@ -1,0 +1,142 @@
+"""int4 weight-only linear: asymmetric, one (scale, zero) per group of input columns.
+
+Group g of row n covers columns `[g * G, (g + 1) * G)`; with `q` in [0, 15],
+`w ~= (q - 8) * scale + zero` (tinygemm's convention, which torch's CPU kernel
+`_weight_int4pack_mm_for_cpu` follows): `zero = min + 8 * scale`, so the group's min
+and max land exactly on q = 0 and q = 15. `packed` is torch's CPU int4 layout (uint8
+`[N, K / 2]`, blocked for its kernel: read it back only through `unpack_int4`).
+The kernel needs K % G == 0 and N % 16 == 0; other shapes are refused at load. Its
+float32 activation path is many times slower than bfloat16, so activations are cast
+to bfloat16 in and the output back to the input dtype.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, cast
+
+import torch
+from torch import nn
+
+from runtime.layers.linear import UnquantizedLinearMethod
+
+if TYPE_CHECKING:
+    from runtime.layers.linear import LinearBase
+
+ACT_DTYPE = (
+    torch.bfloat16
+)  # the kernel's fast activation dtype; scales and zeros are stored in it too
+# 32 = llama.cpp's Q4_0/Q4_1 block; the SmolLM2 hidden size 576 is not a multiple of 64 * 2.
+DEFAULT_GROUP_SIZE = 32
+N_MULTIPLE = 16  # the CPU packing's output-row block
+
+
+class Int4Weight(NamedTuple):
+    packed: torch.Tensor  # uint8 [N, K / 2], torch's CPU int4 layout
+    scales_and_zeros: (
+        torch.Tensor
+    )  # [K / G, N, 2] in ACT_DTYPE: (scale, zero) per group and row
+
+
+def check_int4_shape(n: int, k: int, group_size: int) -> None:
+    if k % group_size or n % N_MULTIPLE:
+        raise ValueError(
+            f"int4 needs in_features % {group_size} == 0 and out_features % {N_MULTIPLE} == 0 "
+            f"(per tensor-parallel rank); got out={n}, in={k}: use --quantization int8 or none"
+        )
+
+
+def quantize_int4_values(
+    w: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w [N, K]` -> (`q` int32 [N, K] in [0, 15], `scales_and_zeros` [K / G, N, 2]).
+    Scale and zero are rounded to ACT_DTYPE before `q` is computed, so `q` is the best
+    grid point for the values the kernel actually reads."""
+    n, k = w.shape
+    check_int4_shape(n, k, group_size)
+    groups = w.float().view(n, k // group_size, group_size)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12).to(ACT_DTYPE).float()
+    zero = (lo + 8 * scale).to(ACT_DTYPE).float()
+    q = (
+        torch.round((groups - zero[..., None]) / scale[..., None] + 8)
+        .clamp(0, 15)
+        .to(torch.int32)
+    )
+    scales_and_zeros = (
+        torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(ACT_DTYPE)
+    )
+    return q.view(n, k), scales_and_zeros
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int32 `[N, K]` in [0, 15] -> torch's CPU packed uint8 `[N, K / 2]`."""
+    return torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+
+
+def unpack_int4(packed: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The int32 `[N, K]` values `packed` holds. The layout is the kernel's private
+    business, so they are read back through the kernel itself: float32 identity
+    activations with scale 1 and zero 8 give `(q - 8) * 1 + 8 = q` exactly."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    ones_eights = torch.tensor([1.0, 8.0]).expand(k // group_size, n, 2).contiguous()
+    eye = torch.eye(k, device=packed.device)
+    return (
+        torch._weight_int4pack_mm_for_cpu(eye, packed, group_size, ones_eights)
+        .T.round()
+        .to(torch.int32)
+    )
+
+
+def dequantize_int4_values(
+    q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """float32 `[N, K]`: `(q - 8) * scale + zero` per group."""
+    n, k = q.shape
+    sz = scales_and_zeros.float().transpose(0, 1)  # [N, K / G, 2]
+    groups = (q.float().view(n, k // group_size, group_size) - 8) * sz[..., 0:1] + sz[
+        ..., 1:2
+    ]
+    return groups.view(n, k)
+
+
+class Int4LinearMethod(UnquantizedLinearMethod):
+    """Loads the float weight as `UnquantizedLinearMethod` does; after loading, holds
+    `packed` and `scales_and_zeros` (see `Int4Weight`) instead."""
+
+    def __init__(self, group_size: int = DEFAULT_GROUP_SIZE) -> None:
+        if group_size not in (32, 64, 128, 256):  # the kernel's
+            raise ValueError(
+                f"int4 group_size must be 32, 64, 128 or 256, got {group_size}"
+            )
+        self.group_size = group_size
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        q, scales_and_zeros = quantize_int4_values(layer.weight.data, self.group_size)
+        del layer.weight  # the float weight goes: the packed tensors replace it
+        layer.packed = nn.Parameter(pack_int4(q), requires_grad=False)
+        layer.scales_and_zeros = nn.Parameter(scales_and_zeros, requires_grad=False)
+
+    def apply(
+        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        # The kernel takes a 2-D activation with a contiguous last dim.
+        x2 = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE).contiguous()
+        packed, scales_and_zeros = (
+            cast(torch.Tensor, layer.packed),
+            cast(torch.Tensor, layer.scales_and_zeros),
+        )
+        out = torch._weight_int4pack_mm_for_cpu(
+            x2, packed, self.group_size, scales_and_zeros
+        ).to(x.dtype)
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        return out if bias is None else out + bias
+
+    def dequantize(self, layer: LinearBase) -> torch.Tensor:
+        """The float32 weight `[out, in]` the layer computes with."""
+        packed, scales_and_zeros = (
+            cast(torch.Tensor, layer.packed),
+            cast(torch.Tensor, layer.scales_and_zeros),
+        )
+        return dequantize_int4_values(
+            unpack_int4(packed, self.group_size), scales_and_zeros, self.group_size
+        )
