@@ -42,13 +42,15 @@ COMPLETE_MARKER = ".complete"
 # --- dtype -------------------------------------------------------------------------
 
 
-def cpu_supports_bf16() -> bool:
-    """True on CPUs with native bf16 matmuls (AMX-BF16 or AVX512-BF16)."""
+def cpu_bf16_feature() -> str | None:
+    """The CPU feature that makes bf16 matmuls native (amx_bf16, else avx512_bf16), or None."""
+    flags: set[str] = set()
     with contextlib.suppress(OSError):
-        flags = Path("/proc/cpuinfo").read_text().split()
-        return "amx_bf16" in flags or "avx512_bf16" in flags
-    caps = getattr(torch._C._cpu, "_get_cpu_capability", lambda: {})()  # torch >= 2.6, no /proc
-    return bool(caps.get("amx_bf16") or caps.get("avx512_bf16"))
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    if not flags:  # no /proc: torch >= 2.6 reports the same capabilities
+        caps = getattr(torch._C._cpu, "_get_cpu_capability", lambda: {})()
+        flags = {name for name, on in caps.items() if on}
+    return next((f for f in ("amx_bf16", "avx512_bf16") if f in flags), None)
 
 
 def resolve_dtype(setting: str, device: str) -> torch.dtype:
@@ -58,7 +60,14 @@ def resolve_dtype(setting: str, device: str) -> torch.dtype:
     on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if on_cuda:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    feature = cpu_bf16_feature()
+    dtype = torch.bfloat16 if feature else torch.float32
+    log.info(
+        "dtype auto resolved",
+        dtype=str(dtype).removeprefix("torch."),
+        reason=f"{feature} in the CPU flags" if feature else "no amx_bf16 / avx512_bf16: bf16 would be emulated",
+    )
+    return dtype
 
 
 # --- locating and preparing the model directory --------------------------------------
