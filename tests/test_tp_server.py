@@ -49,6 +49,13 @@ def _worker_ranks(pid: int) -> list[int]:
     return ranks
 
 
+def _health_is_503(server: ServerProcess) -> bool:
+    try:
+        return httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 503
+    except httpx.HTTPError:
+        return False
+
+
 @pytest.fixture
 def servers() -> Iterator[list[ServerProcess]]:
     started: list[ServerProcess] = []
@@ -111,13 +118,7 @@ def test_killing_a_worker_rank_fails_requests_and_exits_non_zero(checkpoint: Pat
     assert reason is not None and (isinstance(reason, dict) and reason.get("type") == "abort" or "error" in final), final
     assert len(final.get("output_ids", [])) < 1000
 
-    def health_is_503() -> bool:
-        try:
-            return httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 503
-        except httpx.HTTPError:
-            return False
-
-    poll_until(health_is_503, timeout=20, what="/health to turn 503 after a rank died")
+    poll_until(lambda: _health_is_503(server), timeout=20, what="/health to turn 503 after a rank died")
     assert server.wait_exit(60) != 0, server.log_tail()
     assert "tensor-parallel" in server.log_tail(200)
 
@@ -139,14 +140,8 @@ def test_a_hung_worker_rank_is_found_by_the_heartbeat_while_idle(checkpoint: Pat
     (worker,) = _worker_ranks(server.proc.pid)
     os.kill(worker, signal.SIGSTOP)
     try:
-        def health_is_503() -> bool:
-            try:
-                return httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 503
-            except httpx.HTTPError:
-                return False
-
         # heartbeat every dist_timeout / 4 = 1 s, then up to 4 s for its all-reduce to time out
-        poll_until(health_is_503, timeout=30, what="/health to turn 503 after a rank hung")
+        poll_until(lambda: _health_is_503(server), timeout=30, what="/health to turn 503 after a rank hung")
         assert server.wait_exit(60) != 0, server.log_tail()
     finally:
         with contextlib.suppress(ProcessLookupError):  # the server kills a failed rank itself
