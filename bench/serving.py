@@ -6,6 +6,11 @@ text only: each prompt is text that re-encodes to exactly the requested count; t
 chat template then adds its own tokens, which the server-reported prompt count
 includes). Every request asks for ignore_eos and max tokens = its output length,
 so output counts are exact; the counts reported are the server's.
+
+`--compare-llamacpp BIN` then starts llama.cpp's `llama-server` from BIN on the same
+GGUF (bench/llamacpp.py), sends it the identical request list (token-id prompts on its
+/v1/completions, or the same texts on /v1/chat/completions) with the same warm-up,
+concurrency and arrivals, and prints sluice / llama.cpp ratios.
 """
 
 from __future__ import annotations
@@ -15,16 +20,21 @@ import asyncio
 import sys
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.datasets import BenchRequest, add_dataset_arguments, attach_texts, build_requests, warmup_requests
-from bench.metrics import RequestResult, append_jsonl, compute_metrics, format_report, machine_info
+from bench.metrics import WIDTH, RequestResult, append_jsonl, compute_metrics, format_report, machine_info, rule, save_records
 
 if TYPE_CHECKING:
     import httpx
     import numpy as np
 
 BACKENDS = ("sluice", "openai", "openai-chat")
+# llama-server has no /generate: token-id prompts go to its /v1/completions instead.
+LLAMACPP_BACKEND = {"sluice": "openai", "openai": "openai", "openai-chat": "openai-chat"}
+CHAT_TEMPLATE_MARGIN = 64  # tokens a chat template may add to a prompt (for llama-server's context size)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-flush-cache", action="store_true", help="Do not POST /flush_cache after the warm-up.")
     parser.add_argument("--output-file", default=None, help="Append one JSON line with every metric and the args.")
     parser.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
+    g = parser.add_argument_group("llama.cpp comparison")
+    g.add_argument(
+        "--compare-llamacpp", metavar="BIN", default=None,
+        help="After the run, start this llama-server binary, send it the identical requests and print sluice/llama.cpp ratios.",
+    )
+    g.add_argument("--llamacpp-model", metavar="GGUF", default=None, help="GGUF for llama-server. Default: the embedded SmolLM2 GGUF.")
+    g.add_argument("--llamacpp-parallel", type=int, default=None, help="llama-server slots (-np). Default: --max-concurrency, else every request.")
+    g.add_argument("--llamacpp-threads", type=int, default=None, help="llama-server --threads. Default: every core.")
     add_dataset_arguments(parser)
 
 
@@ -167,27 +185,53 @@ async def _flush(client: httpx.AsyncClient) -> bool:
     return False
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(slots=True)
+class Workload:
+    """One run's requests, built once so a second server gets the identical list."""
+
+    tokenizer: Any
+    requests: list[BenchRequest]
+    warm: list[BenchRequest]
+    text_misses: int = 0
+
+
+def build_workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
+    requests = build_requests(args, tokenizer)
+    warm = warmup_requests(tokenizer, args.warmup_requests, requests, args.seed)
+    text_misses = 0
+    if args.backend == "openai-chat":
+        text_misses = attach_texts(requests, tokenizer, args.seed) + attach_texts(warm, tokenizer, args.seed + 1)
+    return Workload(tokenizer, requests, warm, text_misses)
+
+
+async def bench_server(
+    args: argparse.Namespace,
+    base_url: str,
+    backend: str,
+    work: Workload | None = None,
+    *,
+    flush: bool = True,
+    title: str = " Serving Benchmark Result ",
+) -> tuple[dict[str, Any], Workload]:
+    """Warm up, (flush,) send `work` (built from the server's tokenizer if None); the metrics record."""
     import httpx
     import numpy as np
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits) as client:
-        info_r = await client.get("/get_model_info")
-        info = info_r.json() if info_r.status_code == 200 else None
-        tokenizer = await asyncio.to_thread(load_tokenizer, args, info)
-        requests = build_requests(args, tokenizer)
-        warm = warmup_requests(tokenizer, args.warmup_requests, requests, args.seed)
-        text_misses = 0
-        if args.backend == "openai-chat":
-            text_misses = attach_texts(requests, tokenizer, args.seed) + attach_texts(warm, tokenizer, args.seed + 1)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as client:
+        if work is None:
+            info_r = await client.get("/get_model_info")
+            info = info_r.json() if info_r.status_code == 200 else None
+            tokenizer = await asyncio.to_thread(load_tokenizer, args, info)
+            work = build_workload(args, tokenizer)
+        requests = work.requests
 
-        warm_results = await asyncio.gather(*(send_one(client, args.backend, r) for r in warm))
+        warm_results = await asyncio.gather(*(send_one(client, backend, r) for r in work.warm))
         bad = [r.error for r in warm_results if not r.success]
         if bad:
             raise RuntimeError(f"warm-up failed: {bad[0]}")
-        flushed = None if args.no_flush_cache else await _flush(client)
+        flushed = await _flush(client) if flush else None
 
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         from tqdm.auto import tqdm
@@ -196,10 +240,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
         async def limited(req: BenchRequest) -> RequestResult:
             if semaphore is None:
-                res = await send_one(client, args.backend, req)
+                res = await send_one(client, backend, req)
             else:
                 async with semaphore:
-                    res = await send_one(client, args.backend, req)
+                    res = await send_one(client, backend, req)
             bar.update(1)
             return res
 
@@ -210,32 +254,103 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         duration = time.perf_counter() - start
         bar.close()
         server = await client.get("/get_server_info")
+        if server.status_code != 200:
+            server = await client.get("/props")  # llama-server's
         server_info = server.json() if server.status_code == 200 else {}
 
     m = compute_metrics(results, duration)
     header = [
-        ("Backend:", args.backend),
+        ("Backend:", backend),
         ("Traffic request rate:", args.request_rate),
         ("Max request concurrency:", args.max_concurrency or "not set"),
     ]
-    print(format_report(m, header))
-    if text_misses:
-        print(f"note: {text_misses} chat prompts could not be made to re-encode to the exact count")
-    record = {
-        "tool": "serving", **m, "flushed_cache": flushed, "chat_text_misses": text_misses,
-        "server_info": server_info, "machine": machine_info(), "args": vars(args),
-    }
+    print(format_report(m, header, title))
+    if work.text_misses:
+        print(f"note: {work.text_misses} chat prompts could not be made to re-encode to the exact count")
+    record = {**m, "flushed_cache": flushed, "chat_text_misses": work.text_misses, "server_info": server_info}
+    return record, work
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    record, _ = await bench_server(args, args.base_url, args.backend, flush=not args.no_flush_cache)
+    record = {"tool": "serving", **record, "machine": machine_info(), "args": vars(args)}
     if args.output_file:
         append_jsonl(args.output_file, record)
     return record
+
+
+# ---- side by side with llama.cpp ---------------------------------------------------------------
+
+# (label, metric key, higher is better)
+COMPARED = (
+    ("Output token throughput (tok/s)", "output_throughput", True),
+    ("Median TTFT (ms)", "median_ttft_ms", False),
+    ("P99 TTFT (ms)", "p99_ttft_ms", False),
+    ("Median ITL (ms)", "median_itl_ms", False),
+    ("P99 ITL (ms)", "p99_itl_ms", False),
+    ("Median TPOT (ms)", "median_tpot_ms", False),
+    ("Median E2E latency (ms)", "median_e2e_ms", False),
+)
+
+
+def format_comparison(sluice: dict[str, Any], llama: dict[str, Any]) -> str:
+    """One row per metric: sluice, llama.cpp, and the ratio sluice / llama.cpp."""
+
+    def line(label: str, a: Any, b: Any, ratio: Any) -> str:
+        return f"{label:<34} {a:>12} {b:>12} {ratio:>10}"
+
+    lines = [rule(" sluice vs llama.cpp ", "="), line("", "sluice", "llama.cpp", "ratio")]
+    for label, key, higher_better in COMPARED:
+        a, b = float(sluice[key]), float(llama[key])
+        ratio = f"{a / b:.2f}" if b > 0 else "n/a"
+        lines.append(line(label, f"{a:.2f}", f"{b:.2f}", ratio + (" ↑" if higher_better else " ↓")))
+    for label, key in (("Completed requests", "completed"), ("Failed requests", "failed"),
+                       ("Total generated tokens", "total_output_tokens"), ("Output length mismatches", "output_len_mismatches")):
+        lines.append(line(label, sluice[key], llama[key], ""))
+    lines.append("ratio = sluice / llama.cpp; ↑ higher is better for sluice, ↓ lower is better")
+    lines.append("=" * max(WIDTH, len(lines[1])))
+    return "\n".join(lines)
+
+
+def llamacpp_context(work: Workload, parallel: int) -> int:
+    """-c for llama-server: every slot holds the longest request (plus a chat template's tokens)."""
+    longest = max(r.prompt_len + r.output_len for r in work.requests + work.warm) + CHAT_TEMPLATE_MARGIN
+    return parallel * longest
+
+
+async def compare(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The run against the sluice server, then the identical requests against a llama-server."""
+    from bench.llamacpp import LlamaServer
+
+    sluice, work = await bench_server(args, args.base_url, args.backend, flush=not args.no_flush_cache, title=" sluice ")
+    parallel = args.llamacpp_parallel or args.max_concurrency or len(work.requests)
+    gguf = Path(args.llamacpp_model) if args.llamacpp_model else None
+    server = LlamaServer(
+        args.compare_llamacpp, gguf, ctx=llamacpp_context(work, parallel), parallel=parallel, threads=args.llamacpp_threads
+    )
+    print(f"starting llama-server ({args.compare_llamacpp}, -np {parallel}); log: {server.log_path}")
+    try:
+        server.start()  # blocks the loop while llama-server loads: nothing else is running
+        # No /flush_cache there; the warm-up prompts share no prefix with the dataset.
+        llama, _ = await bench_server(args, server.base_url, LLAMACPP_BACKEND[args.backend], work, flush=False, title=" llama.cpp ")
+    finally:
+        server.stop()
+    llama["llamacpp_command"] = server.cmd
+    print(format_comparison(sluice, llama))
+    records = [{"engine": "sluice", **sluice}, {"engine": "llama.cpp", **llama}]
+    save_records(args.output_file, "serving", records, args)
+    return records
 
 
 def main(args: argparse.Namespace) -> int:
     import httpx
 
     try:
-        record = asyncio.run(run(args))
+        if args.compare_llamacpp:
+            records = asyncio.run(compare(args))
+        else:
+            records = [asyncio.run(run(args))]
     except (httpx.HTTPError, OSError, RuntimeError) as exc:
         print(f"sluice bench serving: error: {exc}", file=sys.stderr)
         return 1
-    return 0 if record["failed"] == 0 else 1
+    return 0 if all(r["failed"] == 0 for r in records) else 1

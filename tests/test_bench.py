@@ -229,3 +229,36 @@ def test_decode_attention_times_every_variant(tmp_path: Path) -> None:
     record = json.loads(out.read_text().splitlines()[-1])
     assert set(record["median_ms"]) == {"kernel, float32 KV", "kernel, bfloat16 KV", "torch gather + SDPA, float32 KV"}
     assert all(v > 0 for v in record["median_ms"].values())
+
+
+def test_serving_compare_llamacpp_sends_the_same_requests_to_both(
+    tiny_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Against a fake llama-server (tests/test_bench_llamacpp.py): both backends get the
+    identical requests, both reports and the ratio table print, both records are saved
+    tagged by engine, and the llama-server is gone afterwards."""
+    from bench import serving
+    from tests.test_bench_llamacpp import is_alive, recorded_starts, write_fake_llama_server
+
+    starts = tmp_path / "starts.jsonl"
+    monkeypatch.setenv("FAKE_LLAMA_RECORD", str(starts))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    out = tmp_path / "serving.jsonl"
+    ns = parse("serving", "--base-url", tiny_server.base_url, "--num-prompts", "6", "--random-input-len", "20",
+               "--random-output-len", "7", "--max-concurrency", "3", "--disable-tqdm", "--output-file", str(out),
+               "--compare-llamacpp", str(write_fake_llama_server(tmp_path)), "--llamacpp-model", str(gguf))
+    assert serving.main(ns) == 0
+    text = capsys.readouterr().out
+    assert "sluice vs llama.cpp" in text and "Output token throughput (tok/s)" in text and "Median ITL (ms)" in text
+    sluice, llama = (json.loads(line) for line in out.read_text().splitlines())
+    assert (sluice["engine"], llama["engine"]) == ("sluice", "llama.cpp")
+    for r in (sluice, llama):
+        assert r["tool"] == "serving" and r["args"]["compare_llamacpp"]
+        assert r["completed"] == 6 and r["failed"] == 0 and r["output_len_mismatches"] == 0
+        assert r["total_output_tokens"] == 42 and r["total_input_tokens"] == 120 and r["median_itl_ms"] > 0
+    (start,) = recorded_starts(starts)
+    argv = start["argv"]
+    assert argv[argv.index("--parallel") + 1] == "3" and argv[argv.index("--model") + 1] == str(gguf)
+    assert int(argv[argv.index("--ctx-size") + 1]) >= 3 * 27
+    assert not is_alive(start["pid"])
