@@ -183,7 +183,7 @@ class Engine:
         """The whole output of one prompt. Cancelling the awaiting task aborts the request."""
         return await self._generate_one(prompt, sampling_params, rid, return_logprob, top_logprobs_num)
 
-    def async_generate_stream(
+    async def async_generate_stream(
         self,
         prompt: Prompt,
         sampling_params: SamplingInput = None,
@@ -193,12 +193,7 @@ class Engine:
     ) -> AsyncGenerator[GenerateOutput, None]:
         """The output of one prompt as delta chunks (io_struct); the last has finish_reason.
         Closing it early (aclose, break, cancelling the task) aborts the request."""
-        return self._stream(prompt, sampling_params, rid, return_logprob, top_logprobs_num)
-
-    async def _stream(
-        self, prompt: Prompt, params: SamplingInput, rid: str | None, return_logprob: bool, top_k: int
-    ) -> AsyncGenerator[GenerateOutput, None]:
-        req, queue = await self._submit(prompt, params, rid, True, return_logprob, top_k)
+        req, queue = await self._submit(prompt, sampling_params, rid, True, return_logprob, top_logprobs_num)
         finished = False
         try:
             while not finished:
@@ -260,9 +255,6 @@ class Engine:
         self._call_on_loop(self.scheduler.abort, None)
 
     # ---- cache and introspection ------------------------------------------------------------
-    def _flush(self) -> bool:
-        return self.scheduler.flush_cache()
-
     async def async_flush_cache(self) -> bool:
         loop = self._ensure_started()
         if asyncio.get_running_loop() is loop:
@@ -277,7 +269,7 @@ class Engine:
                 await asyncio.wait_for(self.scheduler.wait_idle(), timeout=5.0)
             except TimeoutError:
                 pass
-        return self._flush()
+        return self.scheduler.flush_cache()
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Block until no request is alive and no forward is in flight."""

@@ -162,35 +162,29 @@ COMPLETION_PROMPTS = ("The capital of France is", "def fibonacci(n):", SHARED_PR
 CHAT_MESSAGES = ("Write a haiku about the sea.", "What is 2 + 2?")
 
 
-def _completion(base_url: str, prompt: str, stream: bool) -> tuple[str, str, int]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream}
+def _openai(base_url: str, route: str, body: dict[str, Any], stream: bool) -> tuple[str, str, int]:
+    """(text, finish_reason, completion_tokens) of one greedy OpenAI request, streamed or not."""
+    body = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream, **body}
     if stream:
         body["stream_options"] = {"include_usage": True}
-    r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
+    r = httpx.post(f"{base_url}{route}", json=body, timeout=120)
     assert r.status_code == 200, r.text
+    chat = route.endswith("/chat/completions")
     if not stream:
         choice = r.json()["choices"][0]
-        return choice["text"], choice["finish_reason"], r.json()["usage"]["completion_tokens"]
+        return choice["message"]["content"] if chat else choice["text"], choice["finish_reason"], r.json()["usage"]["completion_tokens"]
     events = sse_payloads(r)
-    text = "".join(c["text"] for e in events for c in e["choices"])
+    text = "".join((c["delta"].get("content") or "") if chat else c["text"] for e in events for c in e["choices"])
     finish = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
     return text, finish[-1], events[-1]["usage"]["completion_tokens"]
+
+
+def _completion(base_url: str, prompt: str, stream: bool) -> tuple[str, str, int]:
+    return _openai(base_url, "/v1/completions", {"prompt": prompt}, stream)
 
 
 def _chat(base_url: str, content: str, stream: bool) -> tuple[str, str, int]:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "stream": stream}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    if not stream:
-        choice = r.json()["choices"][0]
-        return choice["message"]["content"], choice["finish_reason"], r.json()["usage"]["completion_tokens"]
-    events = sse_payloads(r)
-    text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
-    finish = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
-    return text, finish[-1], events[-1]["usage"]["completion_tokens"]
+    return _openai(base_url, "/v1/chat/completions", {"messages": [{"role": "user", "content": content}]}, stream)
 
 
 def _generate(base_url: str, text: str, stream: bool) -> tuple[str, str, int]:

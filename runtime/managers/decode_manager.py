@@ -63,6 +63,16 @@ class DecodeManager:
             self.running_batch.merge_batch(last)
         self.running_batch.forward_mode = ForwardMode.DECODE
 
+    def mix_into(self, batch: ScheduleBatch) -> None:
+        """Mixed chunk: the running decodes ride in prefill `batch` (extend length 1)
+        when the KV pool can take their next tokens; the running batch is then empty."""
+        running = self.running_batch
+        running.filter_batch([i for i, r in enumerate(running.reqs) if not r.finished()])
+        if not running.is_empty() and running.check_decode_mem():
+            batch.mix_with_running(running)
+            self.running_batch = self.empty_batch()
+            self.stats.add("num_mixed_batches")
+
     def update_running_batch(self, snapshot: Callable[[], LoadSnapshot]) -> tuple[ScheduleBatch | None, list[Req]]:
         """The next decode batch, and the requests retracted to make room for it
         (they go back to the front of the waiting queue)."""

@@ -260,17 +260,10 @@ class Scheduler:
         return batch
 
     def _get_new_batch_prefill(self) -> ScheduleBatch | None:
-        running = self.running_batch
-        new = self.prefill.get_new_batch_prefill(running, self.decode.new_token_ratio, self.max_running_requests, self.snapshot)
-        if new is None:
-            return None
-        if new.mix_running:
-            running.filter_batch([i for i, r in enumerate(running.reqs) if not r.finished()])
-            if not running.is_empty() and running.check_decode_mem():
-                new.batch.mix_with_running(running)
-                self.decode.running_batch = self.decode.empty_batch()
-                self.stats.add("num_mixed_batches")
-        return new.batch
+        new = self.prefill.get_new_batch_prefill(self.running_batch, self.decode.new_token_ratio, self.max_running_requests, self.snapshot)
+        if new is not None and new.mix_running:
+            self.decode.mix_into(new.batch)
+        return None if new is None else new.batch
 
     # ---- results ------------------------------------------------------------------------------
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
