@@ -43,9 +43,10 @@ class EngineSettings:
         "auto", "KV cache dtype. auto = the model dtype. bfloat16 under a float32 model halves KV "
         "memory and the KV read of every decode step, at a small accuracy cost."
     )
-    quantization: Literal["none", "int8", "int4"] = knob(
-        "none", "Weight-only quantization of the linear layers, packed at load from the float weights "
-        "(CPU only). int8: per output channel; int4: groups of 32. Embedding and LM head stay float."
+    quantization: Literal["none", "int8", "int4", "gguf"] = knob(
+        "none", "Weight-only quantization of the linear layers (CPU only). int8: per output channel and "
+        "int4: groups of 32, packed at load from the float weights; gguf: keep a GGUF file's own "
+        "Q4_0/Q4_1/Q8_0 blocks, loaded straight into packed form. Embedding and LM head stay float."
     )
     device: Literal["auto", "cpu", "cuda"] = knob("auto", "Where the model runs. auto = cuda if available.")
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = knob(
@@ -94,6 +95,22 @@ class EngineSettings:
         "killed rank turns the server unhealthy and makes it exit non-zero)."
     )
     num_threads: int | None = knob(None, "torch intra-op threads on CPU. Default: all cores.")
+    # --- prefill/decode disaggregation (a router pairs a prefill and a decode server) ---
+    disaggregation_mode: Literal["null", "prefill", "decode"] = knob(
+        "null", "null: one server prefills and decodes. prefill: compute prompts' KV and ship it to "
+        "decode servers. decode: receive KV from prefill servers and decode."
+    )
+    disaggregation_bootstrap_port: int = knob(
+        8998, "Prefill servers: port of the bootstrap server where decode servers find a request's KV sender."
+    )
+    disaggregation_transfer_backend: Literal["auto", "tcp", "gloo", "nccl", "fake"] = knob(
+        "auto", "How KV moves between prefill and decode servers. tcp: the bootstrap connection itself; "
+        "gloo/nccl: torch.distributed point-to-point; fake: no KV moves (warm-up, tests). auto = tcp on "
+        "CPU, nccl on CUDA."
+    )
+    disaggregation_timeout: float = knob(
+        60.0, "Seconds a request may wait for its peer's bootstrap or its KV transfer before it ends with an error."
+    )
     # --- logging ---
     decode_log_interval: int = knob(40, "Log a 'Decode batch.' line every this many decode steps.")
 
@@ -167,6 +184,9 @@ def validate(s: EngineSettings | ServerSettings) -> None:
             raise SettingsError("nnodes > 1 needs dist_init_addr (HOST:PORT of node 0's rendezvous)")
         if s.dist_init_addr is not None and not _is_host_port(s.dist_init_addr):
             raise SettingsError(f"dist_init_addr={s.dist_init_addr!r}: must be HOST:PORT")
+        if s.disaggregation_mode != "null" and not 0 < s.disaggregation_bootstrap_port < 65536:
+            raise SettingsError(f"disaggregation_bootstrap_port={s.disaggregation_bootstrap_port}: must be in 1..65535")
+        _check_min("disaggregation_timeout", s.disaggregation_timeout, 0.1, allow_none=False)
         if s.device == "cpu" and s.attention_backend == "flashinfer":
             raise SettingsError("attention_backend=flashinfer needs device=cuda")
     else:
