@@ -23,7 +23,7 @@ import structlog
 from app.errors import APIError, from_invalid_request
 from app.state import AppState, Ticket
 from runtime.errors import InvalidRequest
-from runtime.managers.io_struct import GenerateOutput, MetaInfo, TokenLogprob
+from runtime.managers.io_struct import BootstrapInfo, GenerateOutput, MetaInfo, TokenLogprob
 from runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ class Choice:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    bootstrap: BootstrapInfo | None = None  # prefill/decode disaggregation
     text_parts: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -138,6 +139,7 @@ class GenerationGroup:
                 rid=choice.rid,
                 return_logprob=self._return_logprob,
                 top_logprobs_num=self._top_logprobs_num,
+                bootstrap=choice.bootstrap,
             )
             async for chunk in stream:
                 timer.on_chunk(chunk)
@@ -176,8 +178,11 @@ class GenerationGroup:
                     raise from_invalid_request(item) from item
                 raise item
             self._mark_started(choice)
-            if item["meta_info"]["finish_reason"] is not None:
+            reason = item["meta_info"]["finish_reason"]
+            if reason is not None:
                 choice.finished = True
+                if "status_code" in reason:  # the server ended it (e.g. its KV transfer failed)
+                    raise APIError(reason["status_code"], reason.get("message") or "the request failed")
             return index, item
         return None
 

@@ -42,7 +42,7 @@ def default_engine_factory(settings: EngineSettings) -> Engine:
 
 async def _warm_up(state: AppState) -> None:
     engine = state.ready_engine()
-    await engine.async_generate([0], SamplingParams(max_new_tokens=1, temperature=0.0))
+    await engine.async_generate([0], SamplingParams(max_new_tokens=1, temperature=0.0), bootstrap=engine.self_check_bootstrap())
 
 
 async def _wait_listening(address: tuple[str, int], timeout: float = 30.0) -> None:

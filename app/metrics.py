@@ -36,6 +36,12 @@ GAUGES: tuple[tuple[str, str, str], ...] = (
     ("vllm:num_requests_running", "num_running_reqs", "Requests running (vLLM name)."),
     ("vllm:num_requests_waiting", "num_waiting_reqs", "Requests waiting (vLLM name)."),
     ("vllm:kv_cache_usage_perc", "token_usage", "KV cache usage, 0..1 (vLLM name)."),
+    # Prefill/decode disaggregation (0 on a plain server).
+    ("sglang:num_prefill_bootstrap_queue_reqs", "num_prefill_bootstrap_queue_reqs", "Prefill: requests waiting for their decode peer."),
+    ("sglang:num_prefill_inflight_queue_reqs", "num_prefill_inflight_queue_reqs", "Prefill: requests whose KV is being sent."),
+    ("sglang:num_decode_prealloc_queue_reqs", "num_decode_prealloc_queue_reqs", "Decode: requests waiting for KV slots."),
+    ("sglang:num_decode_transfer_queue_reqs", "num_decode_transfer_queue_reqs", "Decode: requests waiting for their KV."),
+    ("sglang:kv_transfer_latency_seconds", "kv_transfer_latency_seconds", "Smoothed latency of one request's KV transfer."),
 )
 # Exposed with exactly these names; CounterMetricFamily strips and re-adds `_total`.
 COUNTERS: tuple[tuple[str, str, str], ...] = (
@@ -44,6 +50,10 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("sglang:cached_tokens_total", "cached_tokens_total", "Prompt tokens served from the prefix cache."),
     ("sglang:num_requests_total", "num_requests_total", "Requests finished."),
     ("sglang:num_aborted_requests_total", "num_aborted_requests_total", "Requests aborted."),
+    ("sglang:kv_transfer_bytes_total", "kv_transfer_bytes_total", "KV bytes sent (prefill) or received (decode)."),
+    ("sglang:kv_transfers_total", "kv_transfers_total", "Requests whose KV transfer completed."),
+    ("sglang:kv_transfer_failures_total", "kv_transfer_failures_total", "Requests whose KV transfer failed."),
+    ("sglang:kv_transfer_seconds_total", "kv_transfer_seconds_total", "Time spent in completed KV transfers."),
 )
 
 TTFT_BUCKETS = (0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 120, 160)

@@ -11,17 +11,20 @@ ignored (OpenAI's SDKs send extras) and a field sent as `null` counts as not giv
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar, cast
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetJsonSchemaHandler, model_validator
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
+from app.errors import APIError
+from runtime.managers.io_struct import BootstrapInfo
 from runtime.sampling_params import INT32_MAX, MAX_TOP_LOGPROBS, PARAM_SPECS
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 64  # prompts x n in one request
 MAX_LOGPROBS = MAX_TOP_LOGPROBS
+T = TypeVar("T")
 
 
 def _utf8(value: str) -> str:
@@ -34,6 +37,8 @@ NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_utf8)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Stop = NonEmptyText | list[NonEmptyText]
+Port = Annotated[int, Field(ge=1, le=65535)]
+Room = Annotated[int, Field(ge=0, le=(1 << 64) - 1)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +95,51 @@ class GenerationBody(Strict):
     """What the generation routes' bodies share."""
 
     stream: bool = False
+    # Prefill/decode disaggregation, as sglang-router --pd-disaggregation injects them:
+    # one value for the request, or one per prompt, or one per choice (prompt-major).
+    bootstrap_host: NonEmptyText | list[NonEmptyText] | None = None
+    bootstrap_port: Port | list[Port] | None = None
+    bootstrap_room: Room | list[Room] | None = None
+
+    @model_validator(mode="after")
+    def _bootstrap_together(self) -> GenerationBody:
+        given = [f is not None for f in (self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)]
+        if any(given) and not all(given):
+            raise ValueError("bootstrap_host, bootstrap_port and bootstrap_room must be given together")
+        return self
+
+    def bootstraps(self, num_prompts: int, n: int) -> list[BootstrapInfo | None]:
+        """One BootstrapInfo per choice, prompt-major. Given once or once per prompt, choice
+        i of that group gets room + i (SGLang's expansion of parallel sampling); both
+        servers expand alike, so the two halves of every choice still pair."""
+        total = num_prompts * n
+        if self.bootstrap_host is None or self.bootstrap_port is None or self.bootstrap_room is None:
+            return [None] * total
+        hosts = _per_choice("bootstrap_host", self.bootstrap_host, num_prompts, n, shift=False)
+        ports = _per_choice("bootstrap_port", self.bootstrap_port, num_prompts, n, shift=False)
+        rooms = _per_choice("bootstrap_room", self.bootstrap_room, num_prompts, n, shift=True)
+        return [BootstrapInfo(h, p, r) for h, p, r in zip(hosts, ports, rooms)]
 
     def requested_model(self) -> str | None:
         """The model the body names, checked against the served one (None: not named)."""
         return None
+
+
+def _per_choice(name: str, value: T | list[T], num_prompts: int, n: int, *, shift: bool) -> list[T]:
+    values = value if isinstance(value, list) else [value]
+    total = num_prompts * n
+    if len(values) == total:
+        return list(values)
+    if len(values) == 1:
+        group = total  # one value for every choice of every prompt
+    elif len(values) == num_prompts:
+        group = n
+    else:
+        raise APIError(400, f"{name} has {len(values)} entries for {num_prompts} prompt(s) x n={n}", param=name)
+    out = [values[i // group] for i in range(total)]
+    if shift:
+        out = [cast(T, (cast(int, v) + i % group) % (1 << 64)) for i, v in enumerate(out)]
+    return out
 
 
 class StreamOptions(Strict):

@@ -28,8 +28,10 @@ async def _plan(state: AppState, req: ChatCompletionRequest, tokens: TokenizerSe
     max_new = check_context(len(prompt_ids), req.requested_max_tokens, state.context_len, unit="messages")
     params = sampling_params(req, max_new)
     group_id = new_id("chatcmpl")
+    boots = req.bootstraps(1, req.n)
     choices = [
-        Choice(i, group_id if req.n == 1 else f"{group_id}-{i}", prompt_ids, for_choice(params, i)) for i in range(req.n)
+        Choice(i, group_id if req.n == 1 else f"{group_id}-{i}", prompt_ids, for_choice(params, i), boots[i])
+        for i in range(req.n)
     ]
     return Plan(
         group_id, choices, lambda group: _ChatView(state, req, group, tokens),

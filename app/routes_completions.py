@@ -39,12 +39,13 @@ async def _plan(state: AppState, req: CompletionRequest, tokens: TokenizerServic
         prompt_texts.append(text)
     group_id = new_id("cmpl")
     choices = []
+    boots = req.bootstraps(len(prompt_ids), req.n)
     for p, ids in enumerate(prompt_ids):
         params = sampling_params(req, check_context(len(ids), req.max_tokens, state.context_len))
         for j in range(req.n):
             index = p * req.n + j
             rid = group_id if len(prompt_ids) * req.n == 1 else f"{group_id}-{index}"
-            choices.append(Choice(index, rid, ids, for_choice(params, index)))
+            choices.append(Choice(index, rid, ids, for_choice(params, index), boots[index]))
     return Plan(
         group_id, choices, lambda group: _CompletionView(state, req, group, tokens, prompt_texts),
         return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0,

@@ -53,7 +53,8 @@ async def health_generate(request: Request) -> Response:
     params = SamplingParams(max_new_tokens=1, temperature=0.0)
     try:
         # Cancelling the awaiting task aborts the request (engine contract).
-        await asyncio.wait_for(engine.async_generate([0], params, rid=rid), state.server.health_generate_timeout)
+        generate = engine.async_generate([0], params, rid=rid, bootstrap=engine.self_check_bootstrap())
+        await asyncio.wait_for(generate, state.server.health_generate_timeout)
     except TimeoutError:
         engine.abort(rid)
         log.warning("health_generate timed out", rid=rid, timeout=state.server.health_generate_timeout)

@@ -40,7 +40,7 @@ async def _plan(state: AppState, req: GenerateRequest, tokens: TokenizerService)
     max_new = check_context(len(ids), body.max_new_tokens, state.context_len, default=DEFAULT_MAX_NEW_TOKENS)
     rid = req.rid or uuid.uuid4().hex
     return Plan(
-        rid, [Choice(0, rid, ids, sampling_params(body, max_new))], _NativeView,
+        rid, [Choice(0, rid, ids, sampling_params(body, max_new), req.bootstraps(1, 1)[0])], _NativeView,
         return_logprob=req.return_logprob or req.top_logprobs_num > 0, top_logprobs_num=req.top_logprobs_num,
     )
 

@@ -99,7 +99,7 @@ def measure_step_share(args: argparse.Namespace) -> dict[str, Any]:
         # The profiler records the thread that starts it: start it on the worker
         # executor's one thread, where every forward (and its collectives) runs.
         prof = profile(activities=[ProfilerActivity.CPU])
-        worker_thread = engine.scheduler.executor
+        worker_thread = engine.scheduler_loop.executor
         worker_thread.submit(prof.__enter__).result()
         t0 = time.perf_counter()
         engine.generate(prompts, params)

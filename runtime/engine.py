@@ -16,12 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 from config.settings import EngineSettings
-from runtime import engine_setup
+from runtime import disaggregation, engine_setup
 from runtime.engine_setup import EngineStack
 from runtime.errors import InvalidRequest
-from runtime.managers.io_struct import GenerateOutput
+from runtime.managers.io_struct import FAKE_BOOTSTRAP_HOST, BootstrapInfo, GenerateOutput
 from runtime.managers.req import Req
 from runtime.managers.scheduler import Scheduler
+from runtime.managers.scheduler_loop import SchedulerLoop
 from runtime.managers.scheduler_output import OutputProcessor
 from runtime.managers.tokenizer_manager import RequestLimits, SamplingInput, make_req
 
@@ -50,19 +51,25 @@ class Engine:
             self.tp.group.on_failure = self._on_fatal
         self.output = OutputProcessor(self.tokenizer)
         self.scheduler = Scheduler(self.settings, self.pools, self.worker, self.output)
+        self.scheduler_loop = SchedulerLoop(self.scheduler)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-tokenize")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
+        self.disagg: disaggregation.PrefillDisaggregation | disaggregation.DecodeDisaggregation | None = None
 
     # ---- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
         """Run the scheduler on the current event loop."""
         if self._loop is not None:
             return
-        self.scheduler.bind_loop()
+        self.scheduler_loop.bind_loop()
+        if self.settings.disaggregation_mode != "null":
+            self.disagg = disaggregation.create(self.scheduler, self.worker, self.model_config, self.settings)
+            await self.disagg.start()  # a prefill server's bootstrap port must be free
+            self.scheduler.disagg = self.disagg
         self._loop = asyncio.get_running_loop()
-        self._task = self._loop.create_task(self.scheduler.event_loop(), name="sluice-scheduler")
+        self._task = self._loop.create_task(self.scheduler_loop.run(), name="sluice-scheduler")
 
     def _ensure_started(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -107,13 +114,15 @@ class Engine:
         if self._loop is None:
             self._close_workers()
             return
-        self._call_on_loop(self.scheduler.stop)
+        if self.disagg is not None:
+            self._call_on_loop(self.disagg.close)
+        self._call_on_loop(self.scheduler_loop.stop)
         if self._thread is not None:
             asyncio.run_coroutine_threadsafe(self._await_task(), self._loop).result(timeout=60)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
             self._loop.close()
-        self.scheduler.executor.shutdown(wait=False)
+        self.scheduler_loop.executor.shutdown(wait=False)
         self._tokenize_pool.shutdown(wait=False)
         self._close_workers()
         self._loop = None
@@ -134,15 +143,25 @@ class Engine:
             return list(self.tokenizer.encode(prompt))  # with the model's BOS, as HF/vLLM/SGLang do
         return list(prompt)
 
-    def _make_req(self, ids: list[int], params: SamplingInput, rid: str, return_logprob: bool, top_logprobs_num: int) -> Req:
+    def _make_req(
+        self, ids: list[int], params: SamplingInput, rid: str, return_logprob: bool, top_logprobs_num: int,
+        bootstrap: BootstrapInfo | None,
+    ) -> Req:
         limits = RequestLimits(
             self.model_config.context_len, self.model_config.vocab_size,
             self.pools.max_total_num_tokens - self.settings.page_size, self.model_config.eos_token_ids, self.worker.device,
         )
-        return make_req(ids, params, rid, return_logprob, top_logprobs_num, limits)
+        if bootstrap is None and disaggregation.needs_bootstrap(self.settings):
+            raise InvalidRequest(
+                f"this is a {self.settings.disaggregation_mode} server: requests need bootstrap_host, bootstrap_port "
+                "and bootstrap_room (send them through sglang-router --pd-disaggregation)", param="bootstrap_room")
+        req = make_req(ids, params, rid, return_logprob, top_logprobs_num, limits)
+        req.bootstrap = bootstrap
+        return req
 
     async def _submit(
-        self, prompt: Prompt, params: SamplingInput, rid: str | None, stream: bool, return_logprob: bool, top_logprobs_num: int
+        self, prompt: Prompt, params: SamplingInput, rid: str | None, stream: bool, return_logprob: bool, top_logprobs_num: int,
+        bootstrap: BootstrapInfo | None = None,
     ) -> tuple[Req, asyncio.Queue[Delivery]]:
         caller = asyncio.get_running_loop()
         engine_loop = self._ensure_started()
@@ -152,7 +171,7 @@ class Engine:
             ids = list(prompt)
         else:
             raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
-        req = self._make_req(ids, params, rid or uuid.uuid4().hex, return_logprob, top_logprobs_num)
+        req = self._make_req(ids, params, rid or uuid.uuid4().hex, return_logprob, top_logprobs_num, bootstrap)
         queue: asyncio.Queue[Delivery] = asyncio.Queue()
         deliver: Callable[[Delivery], None]
         if caller is engine_loop:
@@ -179,9 +198,11 @@ class Engine:
         rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        bootstrap: BootstrapInfo | None = None,
     ) -> GenerateOutput:
-        """The whole output of one prompt. Cancelling the awaiting task aborts the request."""
-        return await self._generate_one(prompt, sampling_params, rid, return_logprob, top_logprobs_num)
+        """The whole output of one prompt. Cancelling the awaiting task aborts the request.
+        `bootstrap`: on a prefill/decode server, where the KV goes or comes from."""
+        return await self._generate_one(prompt, sampling_params, rid, return_logprob, top_logprobs_num, bootstrap)
 
     async def async_generate_stream(
         self,
@@ -190,10 +211,11 @@ class Engine:
         rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        bootstrap: BootstrapInfo | None = None,
     ) -> AsyncGenerator[GenerateOutput, None]:
         """The output of one prompt as delta chunks (io_struct); the last has finish_reason.
         Closing it early (aclose, break, cancelling the task) aborts the request."""
-        req, queue = await self._submit(prompt, sampling_params, rid, True, return_logprob, top_logprobs_num)
+        req, queue = await self._submit(prompt, sampling_params, rid, True, return_logprob, top_logprobs_num, bootstrap)
         finished = False
         try:
             while not finished:
@@ -207,9 +229,10 @@ class Engine:
                 self.abort(req.rid)
 
     async def _generate_one(
-        self, prompt: Prompt, params: SamplingInput, rid: str | None, return_logprob: bool, top_k: int
+        self, prompt: Prompt, params: SamplingInput, rid: str | None, return_logprob: bool, top_k: int,
+        bootstrap: BootstrapInfo | None = None,
     ) -> GenerateOutput:
-        req, queue = await self._submit(prompt, params, rid, False, return_logprob, top_k)
+        req, queue = await self._submit(prompt, params, rid, False, return_logprob, top_k, bootstrap)
         try:
             item = await queue.get()
         except asyncio.CancelledError:
@@ -248,6 +271,13 @@ class Engine:
         outs = asyncio.run_coroutine_threadsafe(run_all(), loop).result()
         return outs if batched else outs[0]
 
+    def self_check_bootstrap(self) -> BootstrapInfo | None:
+        """For the server's own requests (warm-up, /health_generate): on a prefill/decode
+        server, SGLang's fake bootstrap host, so no peer is involved."""
+        if self.settings.disaggregation_mode == "null":
+            return None
+        return BootstrapInfo(FAKE_BOOTSTRAP_HOST, 0, uuid.uuid4().int >> 64)
+
     def abort(self, rid: str) -> None:
         self._call_on_loop(self.scheduler.abort, rid)
 
@@ -266,7 +296,7 @@ class Engine:
         # let the scheduler drain (bounded) before judging it busy.
         if self.scheduler.is_idle():
             try:
-                await asyncio.wait_for(self.scheduler.wait_idle(), timeout=5.0)
+                await asyncio.wait_for(self.scheduler_loop.wait_idle(), timeout=5.0)
             except TimeoutError:
                 pass
         return self.scheduler.flush_cache()
@@ -276,7 +306,7 @@ class Engine:
         loop = self._ensure_started()
 
         async def wait() -> None:
-            await asyncio.wait_for(self.scheduler.wait_idle(), timeout)
+            await asyncio.wait_for(self.scheduler_loop.wait_idle(), timeout)
 
         try:
             asyncio.run_coroutine_threadsafe(wait(), loop).result()

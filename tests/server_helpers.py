@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,7 +30,7 @@ from app.state import AppState, Phase
 from app.tokens import TokenizerService
 from config import EngineSettings, ServerSettings
 from runtime.errors import InvalidRequest
-from runtime.managers.io_struct import GenerateOutput, MetaInfo
+from runtime.managers.io_struct import BootstrapInfo, GenerateOutput, MetaInfo
 from runtime.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -132,6 +133,53 @@ class ServerProcess:
             return self.server_info() if flushed.status_code == 200 else None
 
         return poll_until(idle_and_flushed, timeout=timeout, what="requests to end and the cache to flush")
+
+
+ROUTER_STARTUP_TIMEOUT = 60.0
+
+
+class RouterProcess:
+    """`python -m sglang_router.launch_router ARGS...` (the real Rust router from PyPI
+    sglang-router) on a free loopback port."""
+
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [
+            sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+            *args, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+        ]
+        self.log_path = Path(tempfile.mkstemp(prefix="sglang-router-", suffix=".log")[1])
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RouterProcess:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def log(self) -> str:
+        return re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text(errors="replace"))  # no ANSI colours
+
+    def workers(self) -> list[dict[str, Any]]:
+        return list(httpx.get(f"{self.base_url}/workers", timeout=5.0).json()["workers"])
+
+    def wait_workers_healthy(self, count: int) -> list[dict[str, Any]]:
+        def healthy() -> list[dict[str, Any]] | None:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                workers = self.workers()
+            except httpx.HTTPError:
+                return None
+            return workers if len(workers) == count and all(w["is_healthy"] for w in workers) else None
+
+        return poll_until(healthy, timeout=ROUTER_STARTUP_TIMEOUT, interval=0.1, what="the router's workers")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
 
 
 _servers: dict[tuple[tuple[str, ...], str | None], ServerProcess] = {}
@@ -244,6 +292,7 @@ class FakeEngine:
         self.num_running_reqs = 0
         self.fail: str | None = None  # "invalid" | "mid_stream" | "crash"
         self.aborted: list[str] = []
+        self.bootstraps: list[BootstrapInfo | None] = []  # what each engine request was given
         self.calls: list[SamplingParams] = []
 
     def get_server_info(self) -> dict[str, Any]:
@@ -252,8 +301,13 @@ class FakeEngine:
     def abort(self, rid: str) -> None:
         self.aborted.append(rid)
 
+    def self_check_bootstrap(self) -> BootstrapInfo | None:
+        return None
+
     def async_generate_stream(self, prompt: list[int], params: SamplingParams, rid: str = "",
-                              return_logprob: bool = False, top_logprobs_num: int = 0) -> AsyncGenerator[GenerateOutput, None]:
+                              return_logprob: bool = False, top_logprobs_num: int = 0,
+                              bootstrap: BootstrapInfo | None = None) -> AsyncGenerator[GenerateOutput, None]:
+        self.bootstraps.append(bootstrap)
         return self._stream(prompt, params, rid, return_logprob, top_logprobs_num)
 
     async def _stream(self, prompt: list[int], params: SamplingParams, rid: str, return_logprob: bool,

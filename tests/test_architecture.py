@@ -19,6 +19,7 @@ RANKS: dict[str, float] = {
     "bench": 7.5,  # `sluice bench` is dispatched by app.cli; bench drives engines, never the app
     "app": 8,
     "runtime": 7,  # runtime/__init__, engine, engine_setup
+    "runtime.disaggregation": 6.5,  # prefill/decode servers: drives the scheduler through its hooks
     "runtime.managers": 6,
     "runtime.model_executor": 5,
     "runtime.mem": 4,

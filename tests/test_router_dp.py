@@ -11,22 +11,16 @@ start-up fails half-way.
 from __future__ import annotations
 
 import contextlib
-import re
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from server_helpers import MODEL, REPO, ServerProcess, free_port, poll_until, sse_payloads
+from server_helpers import MODEL, RouterProcess, ServerProcess, sse_payloads
 
 pytestmark = pytest.mark.slow  # starts two servers and the router
 
-ROUTER_STARTUP_TIMEOUT = 60.0
 MAX_TOKENS = 12
 
 # ~400 tokens shared by every prompt of the prefix-routing test; only the question differs.
@@ -37,50 +31,6 @@ SHARED_PREFIX = "".join(
 )
 QUESTIONS = ("Which ledger does lock 3 use?", "When does lock 7 open?", "What mark closes lock 2?",
              "Who opens the sluice?")
-
-
-class RouterProcess:
-    """`python -m sglang_router.launch_router` over `worker_urls`, on a free loopback port."""
-
-    def __init__(self, worker_urls: list[str], policy: str = "cache_aware") -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [
-            sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-            "--worker-urls", *worker_urls, "--policy", policy,
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-        ]
-        self.log_path = Path(tempfile.mkstemp(prefix="sglang-router-", suffix=".log")[1])
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> RouterProcess:
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        return self
-
-    def log(self) -> str:
-        return re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text(errors="replace"))  # no ANSI colours
-
-    def workers(self) -> list[dict[str, Any]]:
-        return list(httpx.get(f"{self.base_url}/workers", timeout=5.0).json()["workers"])
-
-    def wait_workers_healthy(self, count: int) -> list[dict[str, Any]]:
-        def healthy() -> list[dict[str, Any]] | None:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            try:
-                workers = self.workers()
-            except httpx.HTTPError:
-                return None
-            return workers if len(workers) == count and all(w["is_healthy"] for w in workers) else None
-
-        return poll_until(healthy, timeout=ROUTER_STARTUP_TIMEOUT, interval=0.1, what="the router's workers")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
 
 
 @dataclass(frozen=True)
@@ -103,7 +53,7 @@ def cluster() -> Iterator[Cluster]:
             replica.start()
         for replica in replicas:
             replica.wait_ready()
-        router = RouterProcess([r.base_url for r in replicas])
+        router = RouterProcess("--worker-urls", *[r.base_url for r in replicas], "--policy", "cache_aware")
         stack.callback(router.stop)
         router.start().wait_workers_healthy(len(replicas))
         yield Cluster(replicas, router)

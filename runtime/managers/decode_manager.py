@@ -63,6 +63,16 @@ class DecodeManager:
             self.running_batch.merge_batch(last)
         self.running_batch.forward_mode = ForwardMode.DECODE
 
+    def join_prebuilt(self, reqs: list[Req]) -> None:
+        """Requests that hold a row with KV for their whole prompt (a prefill server
+        computed it) and one output token join the running batch, as if prefilled here."""
+        batch = ScheduleBatch(reqs, self.pools.req_to_token_pool, self.pools.allocator, self.pools.tree_cache, ForwardMode.EXTEND)
+        batch.seq_lens = [len(r.origin_input_ids) for r in reqs]
+        batch.next_input = [r.output_ids[-1] for r in reqs]  # known tokens, not futures
+        for r in reqs:
+            r.penalty_reset_pending = True  # the worker never saw this request
+        self.merge_prefilled(batch, False, None)
+
     def mix_into(self, batch: ScheduleBatch) -> None:
         """Mixed chunk: the running decodes ride in prefill `batch` (extend length 1)
         when the KV pool can take their next tokens; the running batch is then empty."""

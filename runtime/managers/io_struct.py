@@ -8,15 +8,39 @@ gives the whole output. A non-streamed request gets one chunk holding everything
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NotRequired, TypedDict
 
 TokenLogprob = tuple[float, int]  # (logprob, token_id)
+
+# SGLang's warm-up address: a request bootstrapped here moves no KV whatever the backend.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapInfo:
+    """Where a disaggregated request's KV comes from (sglang-router adds these fields):
+    the prefill server's host and bootstrap port, and the room (a 64-bit id) that
+    pairs its prefill half with its decode half."""
+
+    host: str
+    port: int
+    room: int
+
+    @property
+    def addr(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    @property
+    def is_fake(self) -> bool:
+        return self.host == FAKE_BOOTSTRAP_HOST
 
 
 class FinishReasonJSON(TypedDict):
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None  # the stop token id or string, or max_new_tokens
     message: NotRequired[str]
+    status_code: NotRequired[int]  # an abort the server caused (e.g. a KV transfer failed): the HTTP status
 
 
 class MetaInfo(TypedDict):

@@ -8,13 +8,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.managers.io_struct import FinishReasonJSON
+from runtime.managers.io_struct import BootstrapInfo, FinishReasonJSON
 from runtime.model_executor.worker import BatchResult
 from runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from runtime.mem.prefix_cache import PrefixCache
-    from runtime.mem.prefix_cache import TreeNode
+    from runtime.mem.prefix_cache import PrefixCache, TreeNode
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -24,11 +23,14 @@ class FinishReason:
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None = None
     message: str | None = None
+    status_code: int | None = None  # set when the server, not the client, ended the request
 
     def to_json(self) -> FinishReasonJSON:
         out: FinishReasonJSON = {"type": self.type, "matched": self.matched}
         if self.message:
             out["message"] = self.message
+        if self.status_code is not None:
+            out["status_code"] = self.status_code
         return out
 
 
@@ -49,6 +51,7 @@ class Req:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         priority: int = 0,
+        bootstrap: BootstrapInfo | None = None,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = input_ids
@@ -61,6 +64,7 @@ class Req:
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
         self.priority = priority
+        self.bootstrap = bootstrap  # prefill/decode disaggregation: where its KV goes or comes from
 
         # Scheduling state.
         self.fill_ids: list[int] = []
@@ -72,6 +76,9 @@ class Req:
         # its slots already in the tree); the worker's copy needs it before the next
         # forward that reads the row.
         self.row_dirty = False
+        # The worker's penalty state for this row was never built (a decode server got
+        # the prompt's KV from a prefill server): the next decode rebuilds it.
+        self.penalty_reset_pending = False
         self.is_chunked = 0  # >0 while the request is the scheduler's chunked_req
         self.epoch = 0  # bumped on retraction: results of forwards launched before are stale
         self.cached_tokens = 0  # prompt tokens that came from the radix cache (first prefill)

@@ -8,6 +8,7 @@ so the scheduler can go on mutating the ScheduleBatch while that forward runs
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import cast
@@ -211,6 +212,14 @@ class ScheduleBatch:
                 if slots is None:  # an extend rewrites its whole prefix anyway
                     row_syncs.append((r.row, self.req_to_token_pool.req_to_token[r.row, :p].clone()))
         assert self.input_ids is not None and self.out_cache_loc is not None
+        sampling = self._sampling_info()
+        if any(r.penalty_reset_pending for r in self.reqs):  # one step only: not in the cached info
+            penalized = {id(self.reqs[i]) for i in sampling.penalized}
+            fresh = [r for r in self.reqs if r.penalty_reset_pending and id(r) in penalized]
+            for r in self.reqs:
+                r.penalty_reset_pending = False
+            resets = [PenaltyReset(r.row, r.origin_input_ids, list(r.output_ids)) for r in fresh]
+            sampling = dataclasses.replace(sampling, resets=sampling.resets + resets)
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
             input_ids=self.input_ids,
@@ -221,7 +230,7 @@ class ScheduleBatch:
             extend_seq_lens=list(self.extend_lens),
             prefix_slots=list(self.prefix_slots),
             row_syncs=row_syncs,
-            sampling=self._sampling_info(),
+            sampling=sampling,
             future_ids=future_ids,
             top_logprobs_nums=tops,
             return_logprob=any(t >= 0 for t in tops),

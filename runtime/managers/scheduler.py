@@ -1,24 +1,21 @@
-"""Scheduler: the coroutine that owns the running batch and ends every request.
+"""Scheduler: owns the running batch, builds each round's batch, and ends every request.
 
-Each round: get_next_batch_to_run() -> launch the forward on the worker executor
--> process_batch_result(). With overlap on, round N+1's batch is built and
-launched before round N's result is processed, so the worker never waits on
-the scheduler; inputs that depend on round N are future ids (see future_map.py).
-The waiting queue and the chunked request live in the PrefillManager.
+SchedulerLoop (scheduler_loop.py) drives it: get_next_batch_to_run() -> launch ->
+process_batch_result(), overlapped. The waiting queue and the chunked request live
+in the PrefillManager, the running batch in the DecodeManager.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import structlog
 
 from config.settings import EngineSettings
 from runtime.managers.decode_manager import DecodeManager
+from runtime.managers.disagg_hooks import Disaggregation
 from runtime.managers.prefill_manager import PrefillManager
 from runtime.managers.req import FinishReason, Req
 from runtime.managers.schedule_batch import ScheduleBatch
@@ -30,7 +27,6 @@ from runtime.model_executor.worker import BatchResult, Worker
 
 log = structlog.get_logger("sluice.scheduler")
 
-Pending = collections.deque[tuple[ScheduleBatch, "Future[BatchResult]"]]
 
 
 def aborted(message: str = "aborted") -> FinishReason:
@@ -58,12 +54,10 @@ class Scheduler:
         self.decode = DecodeManager(settings, pools, self.stats)
         self.last_batch: ScheduleBatch | None = None
         self.reqs_by_rid: dict[str, Req] = {}
+        self.disagg: Disaggregation | None = None  # set by the engine in prefill/decode mode
 
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-worker")
         self._wake = asyncio.Event()
-        self._stopped = False
-        self.inflight = 0  # forwards launched but not yet processed
-        self._idle = asyncio.Event()
+        self.inflight = 0  # forwards launched but not yet processed (SchedulerLoop sets it)
 
     @property
     def running_batch(self) -> ScheduleBatch:
@@ -80,7 +74,11 @@ class Scheduler:
     # ---- requests in/out --------------------------------------------------------
     def add_request(self, req: Req) -> None:
         self.reqs_by_rid[req.rid] = req
-        self.waiting_queue.append(req)
+        if self.disagg is None or not self.disagg.add(req):
+            self.waiting_queue.append(req)
+        self._wake.set()
+
+    def wake(self) -> None:
         self._wake.set()
 
     def abort(self, rid: str | None = None) -> None:
@@ -91,6 +89,8 @@ class Scheduler:
             if req is None or req.finished():
                 continue
             req.to_abort = True
+            if self.disagg is not None and self.disagg.abort(req):
+                continue
             if req in self.waiting_queue:
                 self.waiting_queue.remove(req)
                 self.finish(req, aborted())
@@ -105,6 +105,18 @@ class Scheduler:
         waiting one only drops its unlocked prefix match."""
         assert not req.finished(), f"{req.rid} finished twice"
         req.finished_reason = reason
+        if self.disagg is not None and self.disagg.hold(req, kv_len):
+            return  # a prefill server's KV is on its way: release_held ends it
+        self._release(req, kv_len)
+
+    def release_held(self, req: Req, kv_len: int, error: FinishReason | None) -> None:
+        """The KV transfer of a held request ended: acknowledged, or failed with `error`."""
+        if error is not None:
+            req.finished_reason = error
+        self._release(req, kv_len)
+        self._wake.set()
+
+    def _release(self, req: Req, kv_len: int) -> None:
         if req.req_pool_idx is not None:
             self.tree_cache.cache_finished_req(req, kv_len=kv_len)
         else:
@@ -126,13 +138,6 @@ class Scheduler:
     def bind_loop(self) -> None:
         """Called on the loop the scheduler will run on."""
         self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
-
-    async def wait_idle(self) -> None:
-        """Until no request is alive and no forward is in flight."""
-        while not (self._idle.is_set() and self.is_idle()):
-            await self._idle.wait()
-            await asyncio.sleep(0)
 
     def flush_cache(self) -> bool:
         """Evict the whole prefix cache. Refused while any request is alive.
@@ -149,6 +154,7 @@ class Scheduler:
 
     def snapshot(self) -> LoadSnapshot:
         return LoadSnapshot(
+            disagg=self.disagg.queues() if self.disagg is not None else None,
             max_total_num_tokens=self.max_total_num_tokens,
             available_kv_tokens=self.allocator.available_size(),
             evictable_kv_tokens=self.tree_cache.evictable_size(),
@@ -161,22 +167,24 @@ class Scheduler:
         )
 
     def server_info(self) -> dict[str, Any]:
-        return self.stats.server_info(self.snapshot())
+        info = self.stats.server_info(self.snapshot())
+        return info if self.disagg is None else {**info, **self.disagg.info()}
 
-    # ---- the loop ----------------------------------------------------------------
-    async def event_loop(self) -> None:
-        while not self._stopped:
-            pending: Pending = collections.deque()
-            try:
-                await self._run_rounds(pending)
-            except Exception as exc:  # never leave callers hanging on a dead scheduler
-                log.exception("scheduler round failed; aborting every request", error=str(exc))
-                for _, fut in pending:
-                    if not fut.cancel():
-                        fut.exception()
-                self._fail_all(exc)
+    # ---- for the loop (scheduler_loop.py) ------------------------------------------------
+    def has_work(self) -> bool:
+        # (The disaggregation queues move only on events, which wake the loop.)
+        return bool(self.waiting_queue) or not self.running_batch.is_empty() or self.chunked_req is not None
 
-    def _fail_all(self, exc: Exception) -> None:
+    async def sleep_until_woken(self) -> None:
+        """Called with nothing to do. Nothing can change without an add_request, abort,
+        wake or stop, each of which sets _wake; none can run between the caller's
+        has_work() check and the clear() here (no await in between)."""
+        self._wake.clear()
+        self.decode.new_token_ratio = self.decode.init_new_token_ratio
+        await self._wake.wait()
+
+    def fail_all(self, exc: Exception) -> None:
+        """A round raised: every request ends with the error and the pools start over."""
         reqs = list(self.reqs_by_rid.values())
         self.prefill.waiting_queue, self.prefill.chunked_req = [], None
         self.decode.running_batch, self.last_batch = self.decode.empty_batch(), None
@@ -188,40 +196,12 @@ class Scheduler:
             req.req_pool_idx = None
             self.finish(req, aborted(f"internal error: {exc}"))
 
-    async def _run_rounds(self, pending: Pending) -> None:
-        while not self._stopped:
-            batch = self.get_next_batch_to_run()
-            if batch is not None:
-                mwb = batch.get_model_worker_batch(self.futures)
-                pending.append((batch.copy_for_result(), self.worker.launch(self.executor, mwb)))
-            # With overlap, the previous batch is processed while this one runs.
-            depth = 1 if self.enable_overlap and batch is not None else 0
-            while len(pending) > depth:
-                done_batch, fut = pending.popleft()
-                result = await asyncio.wrap_future(fut)
-                self.process_batch_result(done_batch, result)
-            self.last_batch = batch
-            self.inflight = len(pending)
-            if batch is None and not pending and not self._stopped:
-                if not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None:
-                    # Nothing can change without an add_request/abort/stop, each of
-                    # which sets _wake; none can run between this check and wait().
-                    self._wake.clear()
-                    self.decode.new_token_ratio = self.decode.init_new_token_ratio
-                    self._idle.set()
-                    await self._wake.wait()
-                    self._idle.clear()
-            else:
-                await asyncio.sleep(0)  # let HTTP handlers run between rounds
-        for _, fut in pending:
-            fut.result()
-
-    def stop(self) -> None:
-        self._stopped = True
-        self._wake.set()
-
     # ---- building batches ------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        prebuilt: list[Req] = []
+        if self.disagg is not None:
+            bootstrapped, prebuilt = self.disagg.poll()
+            self.waiting_queue.extend(bootstrapped)
         chunked = self.chunked_req
         if chunked is not None:
             if chunked.to_abort:
@@ -242,6 +222,8 @@ class Scheduler:
         if last is not None and last_was_extend:
             self.decode.merge_prefilled(last, ends, self.chunked_req)
             self.last_batch = None
+        if prebuilt:  # after the in-flight filtering above: these are not in flight
+            self.admit_prebuilt(prebuilt)
 
         # Between two chunks of a long prompt, running requests get a decode round
         # (unless they ride along in mixed batches): streams keep flowing.
@@ -264,6 +246,29 @@ class Scheduler:
         if new is not None and new.mix_running:
             self.decode.mix_into(new.batch)
         return None if new is None else new.batch
+
+    def admit_prebuilt(self, reqs: list[Req]) -> None:
+        """Decode server: requests whose prompt KV and first token came from a prefill
+        server emit that token, then (unless it ended them) join the running batch."""
+        joining = []
+        for req in reqs:
+            req.has_prefilled, req.first_token_time = True, time.monotonic()
+            reason = self._token_reason(req)
+            if reason is None and not self.output.emit(req):
+                reason = aborted()  # the consumer is gone
+            if reason is not None:
+                self.finish(req, reason, kv_len=len(req.origin_input_ids))
+            else:
+                joining.append(req)
+        if joining:
+            self.decode.join_prebuilt(joining)
+
+    def _token_reason(self, req: Req) -> FinishReason | None:
+        """Why `req` ends with the token it just got (stop strings included), or None."""
+        reason = req.check_finished()
+        if reason is None and (stop := self.output.matched_stop(req)) is not None:
+            reason = FinishReason("stop", stop)
+        return reason
 
     # ---- results ------------------------------------------------------------------------------
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
@@ -294,9 +299,7 @@ class Scheduler:
                 req.output_ids.append(result.next_token_ids[i])
                 if req.return_logprob:
                     req.append_logprobs(result, i)
-                reason = req.check_finished()
-                if reason is None and (stop := output.matched_stop(req)) is not None:
-                    reason = FinishReason("stop", stop)
+                reason = self._token_reason(req)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             if reason is not None:

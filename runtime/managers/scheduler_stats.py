@@ -14,6 +14,7 @@ from typing import Any
 
 import structlog
 
+from runtime.managers.disagg_hooks import DisaggQueues
 from runtime.managers.req import Req
 
 log = structlog.get_logger("sluice.scheduler")
@@ -30,6 +31,7 @@ class LoadSnapshot:
     req_pool_size: int
     max_running_requests: int
     context_len: int
+    disagg: DisaggQueues | None = None  # prefill/decode servers only
 
     @property
     def token_usage(self) -> float:
@@ -65,6 +67,7 @@ class SchedulerStats:
         log.info(
             f"Prefill batch. #new-seq: {new_seq}, #new-token: {new_tokens}, #cached-token: {cached_tokens}, "
             f"token usage: {s.token_usage:.2f}, #running-req: {running_bs}, #queue-req: {s.num_waiting_reqs}"
+            + _disagg_fields(s.disagg)
         )
 
     def on_decode_step(self, snapshot: collections.abc.Callable[[], LoadSnapshot]) -> None:
@@ -80,13 +83,18 @@ class SchedulerStats:
             f"Decode batch. #running-req: {s.num_running_reqs}, "
             f"#token: {s.max_total_num_tokens - s.available_kv_tokens}, "
             f"token usage: {s.token_usage:.2f}, gen throughput (token/s): {self.gen_throughput:.2f}, "
-            f"#queue-req: {s.num_waiting_reqs}"
+            f"#queue-req: {s.num_waiting_reqs}" + _disagg_fields(s.disagg)
         )
 
     def server_info(self, s: LoadSnapshot) -> dict[str, Any]:
         c = self.counters
+        q = s.disagg or DisaggQueues()
         return {
-            **asdict(s),
+            **{k: v for k, v in asdict(s).items() if k != "disagg"},
+            "num_prefill_bootstrap_queue_reqs": q.bootstrap,
+            "num_decode_prealloc_queue_reqs": q.prealloc,
+            "num_prefill_inflight_queue_reqs": q.inflight,
+            "num_decode_transfer_queue_reqs": q.transfer,
             "token_usage": s.token_usage,
             "cache_hit_rate": c["cached_tokens_total"] / max(c["prompt_tokens_total"], 1),
             "gen_throughput": self.gen_throughput,
@@ -97,3 +105,11 @@ class SchedulerStats:
             "cached_tokens_total": c["cached_tokens_total"],
             "num_aborted_requests_total": c["num_aborted_requests_total"],
         }
+
+
+def _disagg_fields(q: DisaggQueues | None) -> str:
+    if q is None:
+        return ""
+    if q.mode == "decode":
+        return f", #prealloc-queue-req: {q.prealloc}, #transfer-queue-req: {q.transfer}"
+    return f", #bootstrap-queue-req: {q.bootstrap}, #inflight-queue-req: {q.inflight}"

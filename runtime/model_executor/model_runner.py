@@ -65,6 +65,10 @@ class ModelRunner:
         if self._d2h is not None:
             self._d2h.shutdown(wait=False)
 
+    def kv_buffers(self) -> list[torch.Tensor]:
+        """K then V of every layer: [k0, v0, k1, v1, ...], each `[slots, kv_heads, head_dim]`."""
+        return [buf for layer in zip(self.kv_pool.k_buffer, self.kv_pool.v_buffer) for buf in layer]
+
     def attach_future_map(self, futures: FutureMap) -> None:
         self.futures = futures
         if self.stream is not None:  # the last setup step: order the forward stream after it all

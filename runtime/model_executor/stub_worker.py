@@ -66,6 +66,9 @@ class StubWorker:
     def close(self) -> None:
         pass
 
+    def kv_buffers(self) -> list[torch.Tensor]:
+        return [self.kv_tokens]
+
     @staticmethod
     def _upload(values: torch.Tensor | list[int], dtype: torch.dtype) -> torch.Tensor:
         return values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)

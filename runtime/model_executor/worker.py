@@ -70,6 +70,11 @@ class Worker(Protocol):
 
     def close(self) -> None: ...
 
+    def kv_buffers(self) -> list[torch.Tensor]:
+        """Every KV tensor of this worker, each indexed by KV slot in dim 0 (for moving a
+        request's KV between servers: prefill/decode disaggregation)."""
+        ...
+
 
 Upload = Callable[[torch.Tensor | list[int], torch.dtype], torch.Tensor]
 

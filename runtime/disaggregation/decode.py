@@ -1,0 +1,275 @@
+"""Decode server: the DecodePreallocQueue, the DecodeTransferQueue and the KV receivers.
+
+A room's life here: its request waits in `prealloc_queue` until a row and slots for
+its prompt can be reserved without taking the decode headroom of the requests
+already running; then a `prealloc` goes to its prefill server and it waits in
+`transfer_queue` until the KV and first token arrive and are scattered into its
+slots (then `ack`); then `poll` hands it to the scheduler, which adds it to the
+running batch (`Scheduler.admit_prebuilt`).
+
+Invariant: a request in `transfer_queue` or `ready` owns its row and slots here
+(its `req_pool_idx` is set, nothing in the tree); ending it frees both. A room
+whose KV is being scattered when it ends keeps them until the scatter is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+
+from config.settings import EngineSettings
+from runtime.disaggregation.common import DisaggStats, Tasks, peer_error, transfer_backend
+from runtime.disaggregation.peer import Peer
+from runtime.disaggregation.transport import PairGroup, payload_from_bytes, scatter_kv
+from runtime.disaggregation.wire import KVLayout, PeerGone, read_frame, write_frame
+from runtime.managers.disagg_hooks import DisaggQueues
+from runtime.managers.io_struct import BootstrapInfo
+from runtime.managers.req import FinishReason, Req
+
+if TYPE_CHECKING:
+    from runtime.managers.scheduler import Scheduler
+
+log = structlog.get_logger("sluice.disaggregation")
+REAP_INTERVAL = 0.5
+
+
+@dataclass(eq=False, slots=True)
+class Reservation:
+    req: Req
+    peer: Peer
+    row: int
+    slots: torch.Tensor
+    deadline: float
+    receiving: bool = False  # the KV is being scattered into `slots`
+    ended: bool = False  # the request ended meanwhile: free when the scatter is done
+
+
+class DecodeDisaggregation:
+    mode = "decode"
+
+    def __init__(self, scheduler: Scheduler, buffers: list[torch.Tensor], layout: KVLayout, settings: EngineSettings) -> None:
+        self.scheduler = scheduler
+        self.buffers = buffers
+        self.layout = layout
+        self.backend = transfer_backend(settings)
+        self.timeout = settings.disaggregation_timeout
+        self.prealloc_queue: list[Req] = []  # DecodePreallocQueue
+        self.transfer_queue: dict[int, Reservation] = {}  # DecodeTransferQueue: room -> reservation
+        self.ready: list[Reservation] = []  # KV in place, for the next poll
+        self.peers: dict[tuple[str, int], Peer] = {}
+        self.stats = DisaggStats()
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="sluice-kv-scatter")
+        self._tasks = Tasks()
+
+    async def start(self) -> None:
+        self._tasks.spawn(self._reap())
+
+    def close(self) -> None:
+        self._tasks.cancel()
+        for peer in self.peers.values():
+            peer.close()
+        self._pool.shutdown(wait=False)
+
+    # ---- scheduler hooks -------------------------------------------------------------------
+    def add(self, req: Req) -> bool:
+        if req.bootstrap is None or req.bootstrap.is_fake or self.backend == "fake":
+            return False  # this server prefills it itself
+        self.prealloc_queue.append(req)
+        return True
+
+    def abort(self, req: Req) -> bool:
+        info = req.bootstrap
+        if info is None:
+            return False
+        why = "the request was aborted on the decode server"
+        if req in self.prealloc_queue:
+            self.prealloc_queue.remove(req)
+            self._peer(info).send({"op": "abort", "room": info.room, "message": why})
+        elif (res := self.transfer_queue.get(info.room)) is not None and res.req is req:
+            self._end(res, None, notify=why)
+        elif (res := next((r for r in self.ready if r.req is req), None)) is not None:
+            self.ready.remove(res)
+            self._free(res)
+        else:
+            return False
+        self.scheduler.finish(req, FinishReason("abort", message="aborted"))
+        return True
+
+    def hold(self, req: Req, kv_len: int) -> bool:
+        return False
+
+    def poll(self) -> tuple[list[Req], list[Req]]:
+        self._prealloc()
+        ready, self.ready = self.ready, []
+        return [], [r.req for r in ready]
+
+    def queues(self) -> DisaggQueues:
+        return DisaggQueues("decode", prealloc=len(self.prealloc_queue), transfer=len(self.transfer_queue))
+
+    def info(self) -> dict[str, Any]:
+        return {"disaggregation_mode": "decode", **self.stats.info()}
+
+    # ---- reservations ----------------------------------------------------------------------
+    def _prealloc(self) -> None:
+        """Reserve rows and prompt slots for the queue's front, FIFO, keeping for every
+        request already admitted the share of its remaining tokens admission reserves."""
+        s = self.scheduler
+        pools, ratio, page = s.pools, s.decode.new_token_ratio, s.page_size
+        admitted = s.running_batch.reqs + [r.req for r in self.transfer_queue.values()] + [r.req for r in self.ready]
+        reserve = sum(_remaining(r) for r in admitted) * ratio
+        count = len(admitted)
+        while self.prealloc_queue and count < s.max_running_requests and pools.req_to_token_pool.available_size():
+            req = self.prealloc_queue[0]
+            n = len(req.origin_input_ids)
+            need = -(-n // page) * page + (_remaining(req) * ratio + reserve if count else 0)
+            if pools.allocator.available_size() < need:
+                pools.tree_cache.evict(int(need) - pools.allocator.available_size())
+                if pools.allocator.available_size() < need:
+                    break
+            slots = pools.allocator.alloc(n)
+            row = pools.req_to_token_pool.alloc()
+            assert slots is not None and row is not None
+            pools.req_to_token_pool.write(row, 0, slots)
+            req.req_pool_idx = row
+            self.prealloc_queue.pop(0)
+            count += 1
+            reserve += _remaining(req) * ratio
+            assert req.bootstrap is not None
+            peer = self._peer(req.bootstrap)
+            room = req.bootstrap.room
+            self.transfer_queue[room] = Reservation(req, peer, row, slots, time.monotonic() + self.timeout)
+            peer.rooms.add(room)
+            peer.send({"op": "prealloc", "room": room, "prompt_len": n})
+
+    def _free(self, res: Reservation) -> None:
+        self.scheduler.allocator.free(res.slots)
+        self.scheduler.req_to_token_pool.free(res.row)
+        if res.req.req_pool_idx == res.row:
+            res.req.req_pool_idx = None
+
+    def _end(self, res: Reservation, reason: FinishReason | None, notify: str | None = None) -> None:
+        """Take `res` out of the transfer queue and release it (after its scatter, if one
+        is running); finish its request with `reason` unless the caller does."""
+        room = res.req.bootstrap.room if res.req.bootstrap is not None else -1
+        if self.transfer_queue.get(room) is res:
+            del self.transfer_queue[room]
+        res.peer.rooms.discard(room)
+        if notify is not None:
+            res.peer.send({"op": "abort", "room": room, "message": notify})
+        res.req.req_pool_idx = None  # finish must not donate this KV: it is not (all) there
+        if res.receiving:
+            res.ended = True
+        else:
+            self._free(res)
+        if reason is not None:
+            self.scheduler.finish(res.req, reason)
+
+    # ---- the KV receiver -------------------------------------------------------------------
+    def _on_kv(self, peer: Peer, header: dict[str, Any], payload: bytes | None) -> None:
+        room = int(header["room"])
+        data: asyncio.Future[torch.Tensor] | None = None
+        if peer.paired:  # post the receive now, in header order, even for a room we dropped
+            assert peer.group is not None
+            group = peer.group
+            data = asyncio.get_running_loop().run_in_executor(group.recv_executor, group.recv, int(header["nbytes"]), int(header["tag"]))
+        res = self.transfer_queue.get(room)
+        if res is None or res.peer is not peer:
+            if data is not None:
+                data.add_done_callback(lambda f: f.exception())  # drained and dropped
+            return
+        res.receiving = True
+        self.stats.start(room)
+        self._tasks.spawn(self._receive(res, header, payload, data))
+
+    async def _receive(self, res: Reservation, header: dict[str, Any], payload: bytes | None, data: asyncio.Future[torch.Tensor] | None) -> None:
+        room, error = int(header["room"]), None
+        try:
+            kv = await data if data is not None else payload_from_bytes(payload or b"")
+            await asyncio.get_running_loop().run_in_executor(self._pool, scatter_kv, self.buffers, res.slots, kv)
+        except Exception as exc:  # noqa: BLE001 - any failure ends the room
+            error = f"receiving the KV of bootstrap_room {room} failed: {str(exc) or type(exc).__name__}"
+        res.receiving = False
+        self.stats.done(room, res.slots.numel() * self.layout.bytes_per_token, error is None and not res.ended)
+        if res.ended:
+            self._free(res)
+            return
+        if error is not None:
+            self._end(res, peer_error(error), notify=error)
+            return
+        del self.transfer_queue[room]
+        res.peer.rooms.discard(room)
+        req, first = res.req, int(header["first_token"])
+        req.output_ids.append(first)
+        if req.return_logprob and "logprob" in header:
+            req.output_token_logprobs.append((float(header["logprob"]), first))
+            if "top" in header:
+                req.output_top_logprobs.append([(float(lp), int(t)) for lp, t in header["top"]])
+        req.fill_ids = list(req.origin_input_ids)
+        req.cached_tokens = int(header.get("cached_tokens", 0))
+        req.row_dirty = True  # the worker has never seen this row
+        res.peer.send({"op": "ack", "room": room})
+        self.ready.append(res)
+        self.scheduler.wake()
+
+    # ---- connections to prefill servers ---------------------------------------------------
+    def _peer(self, info: BootstrapInfo) -> Peer:
+        peer = self.peers.get(info.addr)
+        if peer is None or peer.closed:
+            peer = self.peers[info.addr] = Peer(f"prefill server {info.host}:{info.port}")
+            self._tasks.spawn(self._connect(peer, info.host, info.port))
+        return peer
+
+    async def _connect(self, peer: Peer, host: str, port: int) -> None:
+        why, reached = "closed", False
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self.timeout)
+            reached = True
+            peer.local_host = writer.get_extra_info("sockname")[0]
+            write_frame(writer, {"op": "hello", "backend": self.backend, "layout": self.layout.to_json()})
+            reply, _ = await read_frame(reader)
+            if reply["op"] == "refused":
+                peer.refusal = str(reply.get("message"))
+                log.error("prefill server refused this decode server", peer=peer.name, reason=peer.refusal)
+            elif "store_port" in reply:
+                peer.paired = True
+                store = await asyncio.to_thread(PairGroup.join_store, host, int(reply["store_port"]), self.timeout)
+                peer.group = await asyncio.to_thread(PairGroup, self.backend, store, 1, peer.local_host, self.timeout)
+                peer.group_ready.set()
+            peer.connected(writer)
+            while True:
+                header, payload = await read_frame(reader)
+                op, room = header["op"], int(header.get("room", -1))
+                if op == "kv":
+                    self._on_kv(peer, header, payload)
+                elif op in ("error", "abort"):
+                    res = self.transfer_queue.get(room)
+                    if res is not None and res.peer is peer and not res.receiving:
+                        self._end(res, peer_error(str(header.get("message") or f"the {peer.name} ended the request")))
+        except (PeerGone, OSError, TimeoutError, RuntimeError) as exc:
+            why = str(exc) or type(exc).__name__
+        finally:
+            peer.close()
+            if self.peers.get((host, port)) is peer:
+                del self.peers[(host, port)]
+            what = f"the {peer.name} went away ({why})" if reached else f"cannot reach the {peer.name}'s bootstrap port: {why}"
+            for res in [r for r in self.transfer_queue.values() if r.peer is peer and not r.receiving]:
+                self._end(res, peer_error(what))
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL)
+            now = time.monotonic()
+            for room, res in list(self.transfer_queue.items()):
+                if res.deadline < now and not res.receiving:
+                    why = f"the KV of bootstrap_room {room} did not arrive within {self.timeout:g} s"
+                    self._end(res, peer_error(why), notify=why)
+
+
+def _remaining(req: Req) -> int:
+    return max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)

@@ -1,0 +1,100 @@
+"""The bootstrap connection's messages, and the KV layout both sides must share.
+
+One TCP connection per (decode server, prefill server) pair, opened by the decode
+side to the prefill server's bootstrap port, carries every room between them. A
+frame is a 4-byte big-endian length, an orjson header, then `header["nbytes"]` raw
+bytes when the header says so (the KV of the `tcp` backend).
+
+Decode -> prefill: `hello` (first frame: backend, layout), `prealloc` (a room's
+slots are reserved: send its KV), `ack` (a room's KV is in place), `abort`.
+Prefill -> decode: `hello_ok` / `refused` (the layouts differ: every room on this
+connection will be refused with that message), `kv` (a room's first token and KV),
+`error` (a room failed on the prefill side), `abort`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import orjson
+import torch
+
+_LEN = struct.Struct(">I")
+MAX_HEADER = 1 << 20
+
+
+class PeerGone(ConnectionError):
+    """The bootstrap connection closed or sent garbage."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What must be equal on both sides for one side's KV slots to mean the same on the other."""
+
+    model: str  # architecture and shape of the model
+    page_size: int
+    dtype: str  # the KV pool's dtype
+    slot_shapes: tuple[tuple[int, ...], ...]  # per KV buffer, one slot's shape
+
+    @staticmethod
+    def of(model: str, page_size: int, buffers: list[torch.Tensor]) -> KVLayout:
+        dtypes = {str(b.dtype).removeprefix("torch.") for b in buffers}
+        assert len(dtypes) == 1, f"KV buffers of mixed dtypes: {dtypes}"
+        return KVLayout(model, page_size, dtypes.pop(), tuple(tuple(b.shape[1:]) for b in buffers))
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return sum(itemsize * _prod(s) for s in self.slot_shapes)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> KVLayout:
+        return KVLayout(str(d["model"]), int(d["page_size"]), str(d["dtype"]), tuple(tuple(s) for s in d["slot_shapes"]))
+
+    def mismatch(self, other: KVLayout) -> str | None:
+        """Why `other` (the peer's) cannot exchange KV with this one, or None."""
+        for name in ("model", "page_size", "dtype", "slot_shapes"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                label = {"dtype": "KV cache dtype", "slot_shapes": "KV slot shapes"}.get(name, name)
+                return f"{label} differs: this server has {mine}, the peer has {theirs}"
+        return None
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes | None]:
+    """One header, and its payload if it announces one. Raises PeerGone at EOF."""
+    try:
+        (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+        if n > MAX_HEADER:
+            raise PeerGone(f"header of {n} bytes")
+        header = orjson.loads(await reader.readexactly(n))
+        nbytes = header.get("nbytes")
+        payload = await reader.readexactly(int(nbytes)) if nbytes is not None and header.get("inline") else None
+    except (asyncio.IncompleteReadError, ConnectionError, orjson.JSONDecodeError) as exc:
+        raise PeerGone(str(exc) or type(exc).__name__) from exc
+    if not isinstance(header, dict) or "op" not in header:
+        raise PeerGone("malformed frame")
+    return header, payload
+
+
+def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], payload: memoryview | None = None) -> None:
+    """Queue one frame on `writer` (the caller drains). A payload is sent inline."""
+    if payload is not None:
+        header = {**header, "nbytes": payload.nbytes, "inline": True}
+    data = orjson.dumps(header)
+    writer.write(_LEN.pack(len(data)) + data)
+    if payload is not None:
+        writer.write(payload)
