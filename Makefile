@@ -42,3 +42,9 @@ test-gpu:
 
 clean-cache:
 	rm -rf $${XDG_CACHE_HOME:-$$HOME/.cache}/sluice
+
+# Build the cpu image, run it, check /health, a completion and /metrics from outside the
+# container (deploy/check-image.sh: docker or podman; a developer's check, not CI's).
+.PHONY: check-image
+check-image:
+	deploy/check-image.sh

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,27 @@ def test_dockerfile_entrypoint_and_cmd_parse_as_sluice_serve(target):
 def test_dockerignore_keeps_the_context_small():
     ignored = set((ROOT / ".dockerignore").read_text().split())
     assert {".venv", ".git", ".cache", "**/__pycache__", "bench/out", "tests", "charts"} <= ignored
+
+
+def _apt_packages(stage: list[tuple[str, str]]) -> set[str]:
+    runs = " ".join(a for o, a in stage if o == "RUN")
+    found: set[str] = set()
+    for m in re.finditer(r"apt-get install ([^&]*)", runs):
+        found |= {w for w in m.group(1).split() if not w.startswith("-")}
+    return found
+
+
+def test_cpu_image_can_compile_the_cpu_kernel():
+    """torch's C++ extension loader needs a C++ compiler, the Python headers and ninja;
+    without them the server silently runs the slow torch decode path. The build must
+    compile the kernel once (after the source is installed), so a gap fails the build."""
+    stage = _dockerfile_stages()["cpu"]
+    assert {"g++", "python3-dev"} <= _apt_packages(stage)
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"ninja\b", d) for d in deps), "ninja drives the kernel build"
+    runs = [a for o, a in stage if o == "RUN"]
+    install_at = next(i for i, a in enumerate(runs) if "--no-deps ." in a)
+    (check,) = [i for i, a in enumerate(runs) if "load_paged_decode" in a]
+    assert check > install_at, "the kernel check must run against the installed package"
+    assert "sys.exit(load_paged_decode() is None)" in runs[check], "a kernel that does not build must fail the RUN"
+    assert "XDG_CACHE_HOME=/tmp/" in runs[check], "the build machine's kernel must not ship (-march=native)"

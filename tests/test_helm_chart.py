@@ -51,12 +51,14 @@ SCENARIOS = {
         "autoscaling": {"enabled": True, "kind": "hpa"},
         "extraArgs": ["--schedule-policy", "lpm", "--enable-mixed-chunk"],
         "serve": {**_values_file("values-gpu-llama3-8b.yaml")["serve"],
-                  "disableRadixCache": False, "enableMetrics": True, "logLevel": "debug"},
+                  "disableRadixCache": False, "enableMetrics": True, "logLevel": "debug", "distTimeout": 120},
         "podAnnotations": {"team": "ml"},
     },
-    # CPU with KEDA, an operator-managed Secret and an existing claim.
+    # CPU with KEDA, an operator-managed Secret, an existing claim and the CPU knobs.
     "cpu-keda-existing-secret": lambda: {
         **_values_file("values-cpu.yaml"),
+        "serve": {**_values_file("values-cpu.yaml")["serve"],
+                  "kvCacheDtype": "bfloat16", "disableCpuKernels": True, "quantization": "int8"},
         "apiKey": {"existingSecret": "llm-keys", "secretKey": "sluice"},
         "autoscaling": {"enabled": True, "kind": "keda", "maxReplicas": 8},
         "modelStorage": {"persistence": {"enabled": True, "existingClaim": "shared-models",
@@ -127,6 +129,68 @@ def test_serve_values_name_real_settings_with_matching_types():
             assert prop["type"] == [json_type[hint], "null"], key
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())["serve"]
     assert set(defaults) == set(props), "values.yaml should list every serve key the schema allows"
+
+
+# Knobs a `serve` key cannot carry, and why; every other settings knob must be settable.
+NOT_SERVE_KEYS = {
+    "host": "the image's ENTRYPOINT binds 0.0.0.0",
+    "port": "containerPort",
+    "apiKey": "apiKey.* (a Secret)",
+    "distInitAddr": "multi-node tensor parallelism: one pod per replica here",
+    "nnodes": "multi-node tensor parallelism",
+    "nodeRank": "multi-node tensor parallelism",
+    "disaggregationMode": "pd.enabled sets it per role",
+    "disaggregationBootstrapPort": "pd.bootstrapPort",
+    "disaggregationTransferBackend": "pd.transferBackend",
+    "disaggregationTimeout": "pd.timeout",
+}
+
+
+def _knobs() -> dict[str, object]:
+    """camelCase knob name -> its dataclass field, over both settings classes."""
+    knobs = {}
+    for cls in (ServerSettings, EngineSettings):
+        for f, _ in settings_fields(cls):
+            head, *tail = f.name.split("_")
+            knobs[head + "".join(t.title() for t in tail)] = f
+    return knobs
+
+
+def test_every_settings_knob_is_a_serve_key_or_set_by_the_chart():
+    """A knob added to config/settings.py must reach the chart (the schema forbids
+    unknown keys, so extraArgs would be the only way), or be named above with a reason."""
+    props = json.loads((CHART / "values.schema.json").read_text())["properties"]["serve"]["properties"]
+    missing = set(_knobs()) - set(props) - set(NOT_SERVE_KEYS)
+    assert not missing, f"settings knobs the chart cannot set: {sorted(missing)}"
+    assert not set(NOT_SERVE_KEYS) & set(props)
+    assert set(NOT_SERVE_KEYS) <= set(_knobs()), "stale entries in NOT_SERVE_KEYS"
+
+
+def test_serve_schema_descriptions_are_the_settings_help_lines():
+    """One help line per knob: the schema repeats it, so it cannot drift (as a stale
+    'Default: 0.88' once did)."""
+    props = json.loads((CHART / "values.schema.json").read_text())["properties"]["serve"]["properties"]
+    knobs = _knobs()
+    for key, prop in props.items():
+        assert prop.get("description") == knobs[key].metadata["help"], key
+
+
+def test_values_yaml_states_the_servers_real_defaults():
+    """A `serve` comment that quotes a server default quotes the one the code has."""
+    lines = (CHART / "values.yaml").read_text().split("\nserve:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    knobs = _knobs()
+    quoted = 0
+    for line in lines:
+        m = re.match(r"\s+(\w+): .*#.*\bserver default:? (\S+)", line)
+        if m:
+            key, text = m.groups()
+            assert yaml.safe_load(text.strip("(),;")) == knobs[key].default, line
+            quoted += 1
+    assert quoted, "expected at least one quoted default (enableMetrics)"
+    for line in lines:  # a knob whose default is derived must not be given a number
+        m = re.match(r"\s+(\w+): ", line)
+        if m and m.group(1) in knobs and knobs[m.group(1)].default is None:
+            assert not re.search(r"default:? [0-9]", line), line
 
 
 def test_schema_rejects_a_misspelled_or_out_of_range_flag(chart):
@@ -292,6 +356,8 @@ def test_gpu_requests_and_image_follow_the_values(release):
     gpus = merged["gpu"]["count"]
     res = container.get("resources", {})
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    for kind, amounts in (merged["resources"] or {}).items():
+        assert res[kind].items() >= amounts.items(), f"resources.{kind} must reach the pod as given"
     if gpus:
         assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == gpus
         assert container["image"] == f"sluice:{app_version}"

@@ -36,6 +36,35 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/*
+Prefill/decode disaggregation (pd.enabled): the server runs as two Deployments, one per
+role. A role's workload is named <fullname>-<role> (within 63 characters) and its pods
+carry app.kubernetes.io/component: <role> on top of the sluice selector labels, which is
+how the router's --prefill-selector / --decode-selector tell them apart. role "" is the
+single server of the default topology, named and labelled as before.
+*/}}
+{{- define "sluice.role.fullname" -}}
+{{- if .role }}
+{{- printf "%s-%s" (include "sluice.fullname" .root | trunc 55 | trimSuffix "-") .role }}
+{{- else }}
+{{- include "sluice.fullname" .root }}
+{{- end }}
+{{- end }}
+
+{{- define "sluice.role.selectorLabels" -}}
+{{ include "sluice.selectorLabels" .root }}
+{{- if .role }}
+app.kubernetes.io/component: {{ .role }}
+{{- end }}
+{{- end }}
+
+{{- define "sluice.role.labels" -}}
+{{ include "sluice.labels" .root }}
+{{- if .role }}
+app.kubernetes.io/component: {{ .role }}
+{{- end }}
+{{- end }}
+
 {{- define "sluice.image" -}}
 {{- $tag := default (printf "%s%s" .Chart.AppVersion .Values.image.tagSuffix) .Values.image.tag }}
 {{- printf "%s:%s" .Values.image.repository $tag }}
@@ -86,6 +115,37 @@ per non-null key of .Values.serve (camelCase -> --kebab-case; booleans as
 {{- end }}
 {{- end }}
 
+{{/*
+A PD role's own flags, after sluice.args: the role, the bootstrap port (prefill servers
+listen on it; the router tells decode servers each request's port from the prefill
+pod's annotation, and both roles get the same number so they cannot disagree), the
+transfer backend and timeout when set, then pd.<role>.extraArgs.
+*/}}
+{{- define "sluice.pd.args" -}}
+{{- $pd := .root.Values.pd }}
+- --disaggregation-mode
+- {{ .role }}
+- --disaggregation-bootstrap-port
+- {{ $pd.bootstrapPort | int | quote }}
+{{- with $pd.transferBackend }}
+- --disaggregation-transfer-backend
+- {{ . }}
+{{- end }}
+{{- if not (kindIs "invalid" $pd.timeout) }}
+- --disaggregation-timeout
+- {{ $pd.timeout | toString | quote }}
+{{- end }}
+{{- range (get $pd .role).extraArgs }}
+- {{ . | toString | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The router: deployed by router.enabled (data parallelism) and always under
+pd.enabled, where it is the only way in. */}}
+{{- define "sluice.router.enabled" -}}
+{{- if or .Values.router.enabled .Values.pd.enabled }}true{{ end }}
+{{- end }}
+
 {{/* The router (router.enabled): its own names (the "-router" suffix survives the 63
 character limit) and labels, which never select sluice pods. */}}
 {{- define "sluice.router.fullname" -}}
@@ -113,9 +173,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{/*
-Args of `python -m sglang_router.launch_router`: regular mode, the policy, and
-Kubernetes service discovery of this release's sluice pods (their selector labels) on
-the port they serve, in this namespace only; then the API key, then router.extraArgs.
+Args of `python -m sglang_router.launch_router`: the policy, and Kubernetes service
+discovery of this release's sluice pods on the port they serve, in this namespace only.
+Regular mode selects the pods by their selector labels. PD mode selects prefill and
+decode pods apart by their component label, and registers each pod by its IP: the
+router sends a prefill pod's IP to the decode server as the request's bootstrap host,
+so every prefill replica is addressed on its own, never through a Service. Then the
+API key, then router.extraArgs.
 */}}
 {{- define "sluice.router.args" -}}
 - --host
@@ -124,10 +188,29 @@ the port they serve, in this namespace only; then the API key, then router.extra
 - {{ .Values.router.containerPort | int | quote }}
 - --policy
 - {{ .Values.router.policy }}
+{{- if .Values.pd.enabled }}
+{{- with .Values.router.prefillPolicy }}
+- --prefill-policy
+- {{ . }}
+{{- end }}
+{{- with .Values.router.decodePolicy }}
+- --decode-policy
+- {{ . }}
+{{- end }}
+- --pd-disaggregation
+- --service-discovery
+{{- range $role := list "prefill" "decode" }}
+- --{{ $role }}-selector
+{{- range $line := splitList "\n" (include "sluice.role.selectorLabels" (dict "root" $ "role" $role)) }}
+- {{ regexReplaceAll ": " $line "=" | quote }}
+{{- end }}
+{{- end }}
+{{- else }}
 - --service-discovery
 - --selector
 {{- range $line := splitList "\n" (include "sluice.selectorLabels" .) }}
 - {{ regexReplaceAll ": " $line "=" | quote }}
+{{- end }}
 {{- end }}
 - --service-discovery-port
 - {{ .Values.containerPort | int | quote }}
