@@ -20,6 +20,8 @@ TOOLS: dict[str, tuple[str, str]] = {
     "offline": ("bench.offline", "The datasets through the in-process Engine (optionally vs HF transformers)."),
     "one-batch": ("bench.one_batch", "One static batch: prefill latency, decode step latency."),
     "quant-linear": ("bench.quant_linear", "Weight-only int8/int4 linear (--quantization) vs fp32/bf16 F.linear per call."),
+    "quant-model": ("bench.quant_model", "Quantization modes on the real model: load time, teacher-forced agreement with float32."),
+    "gguf-q8-linear": ("bench.gguf_q8_linear", "A Q8_0 GGUF linear as two int4 planes vs int8 per channel and bf16."),
     "all-reduce": ("bench.all_reduce", "Tensor-parallel collectives: all-reduce latency, and their share of a decode step."),
     "scheduler-overhead": ("bench.scheduler_overhead", "The real Scheduler with a stub forward: CPU time per round."),
     "chunked-itl": ("bench.chunked_itl", "Inter-token latency of running streams while a long prompt arrives."),

@@ -10,7 +10,8 @@ on the target device in the target dtype, then filled through each parameter's
 `weight_loader` (runtime/layers/weights.py). The weights' layout and matmul belong to
 the layer's `quant_method` (vLLM's and SGLang's seam): `UnquantizedLinearMethod` is
 the HF layout `[out, in]`; the weight-only methods in runtime/layers/quantization/
-load that same float weight, then `process_weights_after_loading` packs it.
+load that same float weight, then `process_weights_after_loading` packs it (except
+gguf's, whose `load_weight` keeps the checkpoint's own blocks).
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class LinearMethod(Protocol):
     def create_weights(self, layer: LinearBase, input_size_per_partition: int, output_size_per_partition: int) -> None:
         """Register the layer's weight parameter(s)."""
 
+    def load_weight(self, layer: LinearBase, loaded_weight: LazyWeight, dst_offset: int) -> None:
+        """Take this rank's rows of one checkpoint tensor (already narrowed), which go to
+        output rows `[dst_offset, dst_offset + rows)` of the layer's weight."""
+
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         """Convert the loaded weights to the layout `apply` reads (once, after loading)."""
 
@@ -52,6 +57,9 @@ class UnquantizedLinearMethod:
 
     def create_weights(self, layer: LinearBase, input_size_per_partition: int, output_size_per_partition: int) -> None:
         layer.weight = nn.Parameter(torch.empty(output_size_per_partition, input_size_per_partition), requires_grad=False)
+
+    def load_weight(self, layer: LinearBase, loaded_weight: LazyWeight, dst_offset: int) -> None:
+        copy_into(layer.weight.data.narrow(0, dst_offset, loaded_weight.shape[0]), loaded_weight)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         pass  # the checkpoint layout is the compute layout
@@ -105,7 +113,11 @@ class LinearBase(nn.Module):
         if shard_id not in self.output_shards:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r} (has {list(self.output_shards)})")
         shard = self.output_shards[shard_id]
-        copy_into(param.data.narrow(0, shard.dst_offset, shard.size), loaded_weight.narrow(0, shard.src_start, shard.size))
+        rows = loaded_weight.narrow(0, shard.src_start, shard.size)
+        if param is self.weight:  # its layout is the quant method's
+            self.quant_method.load_weight(self, rows, shard.dst_offset)
+        else:
+            copy_into(param.data.narrow(0, shard.dst_offset, shard.size), rows)
 
     def extra_repr(self) -> str:
         return (

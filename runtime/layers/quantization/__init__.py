@@ -1,43 +1,93 @@
 """Weight-only quantization of the linear layers (`--quantization`), CPU only.
 
-A quantized model loads exactly like a float one: every `LinearBase` is built with
-the float `[out, in]` weight and filled through its `weight_loader`, so each
-tensor-parallel rank reads its own shard unchanged. Once all weights are in,
+int8 / int4: a quantized model loads exactly like a float one: every `LinearBase` is
+built with the float `[out, in]` weight and filled through its `weight_loader`, so
+each tensor-parallel rank reads its own shard unchanged. Once all weights are in,
 `quantize_linear_layers` hands each linear layer its method, whose
 `process_weights_after_loading` replaces the float weight by packed tensors (each
-rank packs its own shard). The embedding and the LM head are not `LinearBase` and
-stay float (the LM head's 49152x576 matmul is the one most sensitive to error).
+rank packs its own shard).
+
+gguf: the checkpoint already is quantized. `prepare_linear_layers` gives every linear
+layer its own `GgufLinearMethod` before loading, which keeps the GGUF blocks its
+weight_loader receives; `quantize_linear_layers` then has each one pack them
+(runtime/layers/quantization/gguf.py).
+
+The embedding and the LM head are not `LinearBase` and stay float (the LM head's
+49152x576 matmul is the one most sensitive to error).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Literal
 
 from torch import nn
 
 from runtime.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
+from runtime.layers.quantization.gguf import GgufLinearMethod, Int4PlanesLinearMethod
 from runtime.layers.quantization.int4 import Int4LinearMethod
 from runtime.layers.quantization.int8 import Int8LinearMethod
+from runtime.layers.weights import checkpoint_shapes_of, set_weight_attrs
 
-QuantizationName = Literal["none", "int8", "int4"]
+QuantizationName = Literal["none", "int8", "int4", "gguf"]
 
 
 def get_linear_method(name: QuantizationName) -> LinearMethod:
+    """The method that packs a loaded float layer (gguf has none: see prepare_linear_layers)."""
     if name == "none":
         return UnquantizedLinearMethod()
     if name == "int8":
         return Int8LinearMethod()
     if name == "int4":
         return Int4LinearMethod()
-    raise ValueError(f"unknown quantization {name!r} (none, int8, int4)")
+    if name == "gguf":
+        raise ValueError("gguf layers are packed from the checkpoint's blocks: use prepare_linear_layers before loading")
+    raise ValueError(f"unknown quantization {name!r} for float weights (none, int8, int4)")
 
 
-def quantize_linear_layers(model: nn.Module, name: QuantizationName) -> None:
-    """Pack every loaded `LinearBase` of `model` with `name`'s method (a no-op for none)."""
-    if name == "none":
+def linear_form(layer: LinearBase) -> str:
+    """What a layer computes with: float, int8, int4, or int4x<P> (P int4 planes summed)."""
+    method = layer.quant_method
+    if isinstance(method, Int4PlanesLinearMethod):
+        return f"int4x{method.planes}"
+    if isinstance(method, Int4LinearMethod):
+        return "int4"
+    if isinstance(method, Int8LinearMethod):
+        return "int8"
+    return "float" if type(method) is UnquantizedLinearMethod else type(method).__name__
+
+
+def linear_layers(model: nn.Module) -> list[LinearBase]:
+    return [m for m in model.modules() if isinstance(m, LinearBase)]
+
+
+def prepare_linear_layers(model: nn.Module, name: QuantizationName) -> None:
+    """Before loading: for gguf, every linear layer's weight becomes a placeholder that
+    its own GgufLinearMethod fills (same name, shape and weight_loader); the float
+    weight the constructor made, never written, is dropped. Other names load float
+    weights as built."""
+    if name != "gguf":
         return
-    method = get_linear_method(name)  # stateless: one instance serves every layer
-    for module in model.modules():
-        if isinstance(module, LinearBase):
-            module.quant_method = method
-            method.process_weights_after_loading(module)
+    for layer in linear_layers(model):
+        float_weight = layer.weight
+        method = GgufLinearMethod(float_weight.dtype, float_weight.device)
+        layer.quant_method = method
+        method.create_weights(layer, layer.input_size_per_partition, layer.output_size_per_partition)
+        set_weight_attrs(layer.weight, layer.weight_loader, checkpoint_shapes_of(float_weight))
+
+
+def quantize_linear_layers(model: nn.Module, name: QuantizationName) -> Counter[str]:
+    """After loading: pack every `LinearBase` of `model` with `name`'s method (a no-op for
+    none). Returns how many layers took each form (`linear_form`: int4, int4x2, float...)."""
+    if name == "none":
+        return Counter()
+    forms: Counter[str] = Counter()
+    shared = None if name == "gguf" else get_linear_method(name)  # stateless: one serves every layer
+    for layer in linear_layers(model):
+        method = layer.quant_method if shared is None else shared
+        if name == "gguf" and not isinstance(method, GgufLinearMethod):
+            raise TypeError("quantization=gguf: call prepare_linear_layers before loading")
+        layer.quant_method = method
+        method.process_weights_after_loading(layer)
+        forms[linear_form(layer)] += 1
+    return forms

@@ -1,0 +1,138 @@
+"""`--quantization gguf`: linear layers keep a GGUF file's own Q4_0/Q4_1/Q8_0 blocks.
+
+Each `LinearBase` gets its own `GgufLinearMethod`, a loader: its `weight` is a
+meta-device placeholder (the checkpoint name and shape, no storage), and each
+checkpoint tensor's rows that reach it (q, k, v; gate, up; this rank's part) are kept
+as `GgufWeight`s, unread. After loading it decodes them straight into torch's int4
+layout (gguf_blocks.py) and hands the layer to the method that computes with it:
+
+    all parts Q4_0/Q4_1          -> Int4LinearMethod, group 32 (one plane)
+    any part Q8_0, rest Q4/Q8    -> Int4PlanesLinearMethod, two planes (Q4 parts' second
+                                    plane is zero), exact where per-channel int8 is not
+    any other part (F16, Q6_K..),
+    or a shape the kernel refuses -> UnquantizedLinearMethod, gguf's float dequantization
+
+so a layer is packed whole or float whole, and the float matrix of a packed one is
+never built.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from runtime.layers.linear import UnquantizedLinearMethod
+from runtime.layers.quantization.gguf_blocks import BLOCK, GgufWeight, Int4Planes
+from runtime.layers.quantization.int4 import (
+    ACT_DTYPE,
+    N_MULTIPLE,
+    Int4LinearMethod,
+    pack_int4,
+    unpack_int4,
+)
+from runtime.layers.weights import LazyWeight
+
+if TYPE_CHECKING:
+    from runtime.layers.linear import LinearBase
+
+
+class Int4PlanesLinearMethod(Int4LinearMethod):
+    """A weight that is the sum of `planes` int4 planes `[N, K]`, packed side by side as
+    one int4 matrix `[N, planes * K]` (plane p is columns `[p * K, (p + 1) * K)`): the
+    activation is repeated `planes` times along K, so one kernel call sums them."""
+
+    def __init__(self, planes: int) -> None:
+        super().__init__(BLOCK)
+        self.planes = planes
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE).repeat(1, self.planes)
+        packed, scales_and_zeros = cast(torch.Tensor, layer.packed), cast(torch.Tensor, layer.scales_and_zeros)
+        out = torch._weight_int4pack_mm_for_cpu(x2, packed, BLOCK, scales_and_zeros).to(x.dtype)
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        return out if bias is None else out + bias
+
+    def dequantize(self, layer: LinearBase) -> torch.Tensor:
+        packed, scales_and_zeros = cast(torch.Tensor, layer.packed), cast(torch.Tensor, layer.scales_and_zeros)
+        n, k = packed.shape[0], packed.shape[1] * 2 // self.planes
+        sz = scales_and_zeros.float().view(self.planes, k // BLOCK, n, 2).permute(0, 2, 1, 3)
+        planes = Int4Planes(unpack_int4(packed, BLOCK).view(n, self.planes, k).transpose(0, 1), sz[..., 0], sz[..., 1])
+        return planes.dequantize()
+
+
+def pack_planes(planes: Int4Planes) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Int4Planes [P, N, K]` -> (torch's packed uint8 `[N, P * K / 2]`, scales_and_zeros
+    `[P * K / BLOCK, N, 2]` in ACT_DTYPE): plane p's group g is group `p * K / BLOCK + g`."""
+    p, n, k = planes.q.shape
+    codes = planes.q.permute(1, 0, 2).reshape(n, p * k).to(torch.int32)
+    sz = torch.stack([planes.scale, planes.zero], dim=-1)  # [P, N, G, 2]
+    return pack_int4(codes), sz.permute(0, 2, 1, 3).reshape(p * k // BLOCK, n, 2).to(ACT_DTYPE).contiguous()
+
+
+def _with_planes(planes: Int4Planes, count: int) -> Int4Planes:
+    """Pad with planes that add nothing (q = 8, scale 0, zero 0)."""
+    extra = count - planes.q.shape[0]
+    if extra == 0:
+        return planes
+    _, n, k = planes.q.shape
+    q = torch.cat([planes.q, torch.full((extra, n, k), 8, dtype=torch.uint8)])
+    pad = torch.zeros(extra, n, k // BLOCK)
+    return Int4Planes(q, torch.cat([planes.scale, pad]), torch.cat([planes.zero, pad]))
+
+
+class GgufLinearMethod(UnquantizedLinearMethod):
+    """The loader of one layer (see the module docstring). `dtype` and `device` are the
+    model's: a float fallback weight is built in them."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.parts: list[tuple[int, LazyWeight | torch.Tensor]] = []  # (first output row, rows)
+
+    def create_weights(self, layer: LinearBase, input_size_per_partition: int, output_size_per_partition: int) -> None:
+        placeholder = torch.empty(output_size_per_partition, input_size_per_partition, dtype=self.dtype, device="meta")
+        layer.weight = nn.Parameter(placeholder, requires_grad=False)
+
+    def load_weight(self, layer: LinearBase, loaded_weight: LazyWeight, dst_offset: int) -> None:
+        if tuple(layer.weight.shape[1:]) != loaded_weight.shape[1:]:
+            raise ValueError(f"checkpoint slice {loaded_weight.shape} != parameter rows of {tuple(layer.weight.shape)}")
+        # A GgufWeight stays readable (the reader's memory map); any other source (a
+        # safetensors slice) only while its file is open: read it now.
+        self.parts.append((dst_offset, loaded_weight if isinstance(loaded_weight, GgufWeight) else loaded_weight.materialize()))
+
+    def packable(self, layer: LinearBase) -> bool:
+        n, k = layer.weight.shape
+        return (
+            n % N_MULTIPLE == 0
+            and k % BLOCK == 0
+            and all(isinstance(w, GgufWeight) and w.packable for _, w in self.parts)
+        )
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Pack (or dequantize) the parts; `layer.quant_method` becomes the method that
+        computes with them (quantization.linear_form names it)."""
+        n, k = layer.weight.shape
+        if sum(w.shape[0] for _, w in self.parts) != n:
+            raise ValueError(f"gguf: {n} output rows expected, {sum(w.shape[0] for _, w in self.parts)} loaded")
+        packable, parts = self.packable(layer), sorted(self.parts, key=lambda part: part[0])
+        self.parts = []
+        method: UnquantizedLinearMethod
+        if packable:
+            decoded = [cast(GgufWeight, w).int4_planes() for _, w in parts]
+            count = max(p.q.shape[0] for p in decoded)
+            decoded = [_with_planes(p, count) for p in decoded]
+            planes = Int4Planes(*(torch.cat(fields, dim=1) for fields in zip(*decoded)))
+            packed, scales_and_zeros = pack_planes(planes)
+            del layer.weight  # the placeholder goes: the packed tensors replace it
+            layer.packed = nn.Parameter(packed.to(self.device), requires_grad=False)
+            layer.scales_and_zeros = nn.Parameter(scales_and_zeros.to(self.device), requires_grad=False)
+            method = Int4LinearMethod(BLOCK) if count == 1 else Int4PlanesLinearMethod(count)
+        else:
+            weight = torch.empty(n, k, dtype=self.dtype, device=self.device)
+            for offset, w in parts:
+                rows = w.materialize() if isinstance(w, LazyWeight) else w
+                weight[offset : offset + rows.shape[0]].copy_(rows)
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            method = UnquantizedLinearMethod()
+        layer.quant_method = method
