@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app import routes_chat, routes_completions, routes_misc, routes_native
+from app import routes_chat, routes_completions, routes_dashboard, routes_misc, routes_native, routes_trace
 from app.errors import EXCEPTION_HANDLERS
 from app.lifecycle import EngineFactory, default_engine_factory, make_lifespan
 from app.middleware import AuthMiddleware, BodyLimitMiddleware
@@ -43,6 +43,9 @@ def create_app(state: AppState, engine_factory: EngineFactory = default_engine_f
         Route("/health", routes_misc.health, methods=["GET"]),
         Route("/health_generate", routes_misc.health_generate, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
+        Route("/v1/requests/{rid:path}/trace", routes_trace.request_trace, methods=["GET"]),
+        Route("/dashboard/events", routes_dashboard.dashboard_events, methods=["GET"]),
+        *(Route(path, routes_dashboard.dashboard_file, methods=["GET"]) for path in routes_dashboard.STATIC),
     ]
     if state.server.enable_metrics:
         routes.append(Route("/metrics", routes_misc.metrics, methods=["GET"]))

@@ -24,6 +24,7 @@ from app.errors import APIError, from_invalid_request
 from app.state import AppState, Ticket
 from runtime.errors import InvalidRequest
 from runtime.managers.io_struct import BootstrapInfo, GenerateOutput, MetaInfo, TokenLogprob
+from runtime.managers.trace import TraceOptions
 from runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ class GenerationGroup:
         arrival: float,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        trace: TraceOptions | None = None,
     ) -> None:
         self.state = state
         self.id = group_id
@@ -108,6 +110,7 @@ class GenerationGroup:
         self._arrival = arrival
         self._return_logprob = return_logprob
         self._top_logprobs_num = top_logprobs_num
+        self._trace = trace
         self._queue: asyncio.Queue[tuple[int, GenerateOutput | _Done | Exception]] = asyncio.Queue()
         self._ready: collections.deque[tuple[int, GenerateOutput]] = collections.deque()
         self._tasks: list[asyncio.Task[None]] = []
@@ -140,6 +143,7 @@ class GenerationGroup:
                 return_logprob=self._return_logprob,
                 top_logprobs_num=self._top_logprobs_num,
                 bootstrap=choice.bootstrap,
+                trace=self._trace,
             )
             async for chunk in stream:
                 timer.on_chunk(chunk)
@@ -215,7 +219,8 @@ class GenerationGroup:
         async for _ in self.events():
             pass
 
-    def close(self) -> None:
+    def close(self, why: str = "response_closed") -> None:
+        """`why`: what ended the response early, for the traces of the choices it aborts."""
         if self._closed:
             return
         self._closed = True
@@ -225,7 +230,7 @@ class GenerationGroup:
         if self._launched:
             for choice in self.choices:
                 if not choice.finished and engine is not None:
-                    engine.abort(choice.rid)
+                    engine.abort(choice.rid, why=why)
                 self._mark_started(choice)
                 self.state.rids.discard(choice.rid)
             if self.state.groups.get(self.id) is self:

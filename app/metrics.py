@@ -8,6 +8,7 @@ observed by the app per request (`RequestTimer`). Everything lives in the app's 
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -84,6 +85,30 @@ class EngineCollector(Collector):
             yield counter
 
 
+class LatencyWindow:
+    """The observations of the last `seconds` (perf_counter clock), for the dashboard's
+    percentiles; at most `max_items` are kept (the oldest go first)."""
+
+    __slots__ = ("seconds", "_items")
+
+    def __init__(self, seconds: float = 60.0, max_items: int = 100_000) -> None:
+        self.seconds = seconds
+        self._items: collections.deque[tuple[float, float]] = collections.deque(maxlen=max_items)
+
+    def observe(self, value: float, now: float) -> None:
+        self._items.append((now, value))
+
+    def percentiles(self, now: float) -> dict[str, float | None]:
+        """count, p50, p90, p99 (nearest rank) of the window ending at `now`; None when empty."""
+        while self._items and self._items[0][0] < now - self.seconds:
+            self._items.popleft()
+        values = sorted(v for _, v in self._items)
+        out: dict[str, float | None] = {"count": float(len(values))}
+        for q in (50, 90, 99):
+            out[f"p{q}"] = values[min(len(values) - 1, (q * len(values) + 99) // 100 - 1)] if values else None
+        return out
+
+
 class Metrics:
     def __init__(self, server_info: Callable[[], dict[str, Any] | None], model_name: Callable[[], str]) -> None:
         disable_created_metrics()  # type: ignore[no-untyped-call]  # no `_created` series, as in SGLang
@@ -95,6 +120,8 @@ class Metrics:
         self.itl = Histogram("sglang:inter_token_latency_seconds", "Gap between output chunks.", buckets=ITL_BUCKETS, **kw)
         self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Arrival to last output.", buckets=E2E_BUCKETS, **kw)
         self.queue = Histogram("sglang:queue_time_seconds", "Time in the waiting queue.", buckets=E2E_BUCKETS, **kw)
+        self.recent_ttft = LatencyWindow()  # the dashboard's last minute
+        self.recent_itl = LatencyWindow()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -121,8 +148,10 @@ class RequestTimer:
         if chunk["text"]:
             if self._last is None:
                 self._metrics.ttft.labels(self._name).observe(now - self._arrival)
+                self._metrics.recent_ttft.observe(now - self._arrival, now)
             else:
                 self._metrics.itl.labels(self._name).observe(now - self._last)
+                self._metrics.recent_itl.observe(now - self._last, now)
             self._last = now
         meta = chunk["meta_info"]
         if meta["finish_reason"] is not None and not self._done:

@@ -15,8 +15,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.errors import BodyTooLarge, api_error_response, error_response
 
 # Probes and scrapers must work without the key (Kubernetes, Prometheus). /health_generate
-# runs the model, so it is not among them.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# runs the model, so it is not among them. The dashboard's static files hold no data (what
+# they show comes from routes behind the key).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css"})
 
 # What is read and dropped of a body the server answered early (see BodyLimitMiddleware).
 DRAIN_MAX_BYTES = 64 * 1024 * 1024

@@ -39,6 +39,9 @@ ROUTES: tuple[tuple[str, str, type[BaseModel] | None, str], ...] = (
     ("get", "/server_info", None, "Alias of /get_server_info (SGLang's newer name)."),
     ("get", "/get_load", None, "Load per data-parallel rank (one): requests, queue, KV tokens held."),
     ("get", "/metrics", None, "Prometheus metrics."),
+    ("get", "/v1/requests/{rid}/trace", None, "One request's timeline (running, or among the last finished); 404 if unknown."),
+    ("get", "/dashboard", None, "The live dashboard (an HTML page; its data needs the API key)."),
+    ("get", "/dashboard/events", None, "The dashboard's server-sent events: one snapshot a second."),
 )
 
 ERROR_SCHEMA: dict[str, Any] = {

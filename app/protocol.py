@@ -11,6 +11,8 @@ ignored (OpenAI's SDKs send extras) and a field sent as `null` counts as not giv
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import orjson
 from typing import Annotated, Literal, TypeVar, cast
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetJsonSchemaHandler, model_validator
@@ -89,12 +91,16 @@ class SamplingKnobs(Strict):
     ignore_eos: Annotated[bool | None, EngineParam("ignore_eos")] = None
     skip_special_tokens: Annotated[bool | None, EngineParam("skip_special_tokens")] = None
     spaces_between_special_tokens: Annotated[bool | None, EngineParam("spaces_between_special_tokens")] = None
+    json_schema: Annotated[NonEmptyText | None, EngineParam("json_schema")] = None
+    regex: Annotated[NonEmptyText | None, EngineParam("regex")] = None
+    ebnf: Annotated[NonEmptyText | None, EngineParam("ebnf")] = None
 
 
 class GenerationBody(Strict):
     """What the generation routes' bodies share."""
 
     stream: bool = False
+    return_trace: bool = Field(False, description="Add each request's timeline to its last output's meta_info.trace.")
     # Prefill/decode disaggregation, as sglang-router --pd-disaggregation injects them:
     # one value for the request, or one per prompt, or one per choice (prompt-major).
     bootstrap_host: NonEmptyText | list[NonEmptyText] | None = None
@@ -230,8 +236,31 @@ class ChatMessage(Strict):
         return message
 
 
+class JSONSchemaFormat(Strict):
+    model_config = Strict.model_config | {"populate_by_name": True}
+
+    name: Text = "response"
+    schema_: dict[str, object] | None = Field(None, alias="schema", description="Default: any JSON object.")
+    description: Text | None = None
+    strict: bool | None = None
+
+
 class ResponseFormat(Strict):
-    type: Literal["text"] = Field(description="Only plain text output is supported.")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+    def constraint(self) -> str | None:
+        """The JSON schema (as JSON text) the output must follow, or None for text."""
+        if self.type == "text":
+            return None
+        schema = self.json_schema.schema_ if self.json_schema is not None else None
+        return orjson.dumps(schema if schema is not None else {"type": "object"}).decode()
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -11,7 +11,7 @@ from app.generation import Choice, GenerationGroup
 from app.openai_format import chat_logprobs, finish_reason, new_id, new_logprobs, now, usage
 from app.protocol import ChatCompletionRequest
 from app.responses import Payload
-from app.sampling import for_choice, sampling_params
+from app.sampling import for_choice, sampling_params, with_constraint
 from app.serving import Plan, check_context, serve_generation
 from app.state import AppState
 from app.tokens import TokenizerService
@@ -26,7 +26,7 @@ async def _plan(state: AppState, req: ChatCompletionRequest, tokens: TokenizerSe
     # The template already holds the special tokens (BOS, role markers).
     prompt_ids = await tokens.encode(prompt, add_special_tokens=False)
     max_new = check_context(len(prompt_ids), req.requested_max_tokens, state.context_len, unit="messages")
-    params = sampling_params(req, max_new)
+    params = with_constraint(sampling_params(req, max_new), req.response_format.constraint() if req.response_format else None)
     group_id = new_id("chatcmpl")
     boots = req.bootstraps(1, req.n)
     choices = [

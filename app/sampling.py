@@ -53,3 +53,14 @@ def for_choice(params: SamplingParams, index: int) -> SamplingParams:
     if params.seed is None or index == 0:
         return params
     return dataclasses.replace(params, seed=(params.seed + index) % SEED_END)
+
+
+def with_constraint(params: SamplingParams, json_schema: str | None, source: str = "response_format") -> SamplingParams:
+    """`params` constrained to `json_schema` (from response_format or a forced tool call);
+    400 if the body also gave its own json_schema/regex/ebnf."""
+    if json_schema is None:
+        return params
+    if params.grammar is not None:
+        raise APIError(400, f"{source} cannot be combined with {params.grammar[0]}: give one constraint", param=source)
+    return dataclasses.replace(params, json_schema=json_schema)
+

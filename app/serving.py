@@ -8,6 +8,7 @@ closes the group when it ends. So every exit path releases it exactly once.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from app.protocol import GenerationBody
 from app.responses import SSE_DONE, JSONResponse, Payload, SSEResponse, sse_event
 from app.state import AppState
 from app.tokens import TokenizerService
+from runtime.managers.trace import TraceOptions
 
 log = structlog.get_logger("sluice.app")
 
@@ -96,6 +98,7 @@ def check_context(prompt_len: int, max_tokens: int | None, context_len: int, *, 
 async def serve_generation(request: Request, body_model: type[B], plan: Planner[B]) -> Response:
     """Answer one generation request with the route's `plan`."""
     arrival = time.perf_counter()
+    received = time.monotonic()  # the traces' clock
     state = app_state(request)
     body = await parse_body(request, body_model)
     check_model(state, body.requested_model())
@@ -106,18 +109,41 @@ async def serve_generation(request: Request, body_model: type[B], plan: Planner[
         group = GenerationGroup(
             state, planned.group_id, planned.choices, ticket, arrival=arrival,
             return_logprob=planned.return_logprob, top_logprobs_num=planned.top_logprobs_num,
+            trace=TraceOptions(body.return_trace, trace_headers(request), received),
         )
     except BaseException:
         ticket.release()
         raise
-    return await _respond(request, group, planned.render(group), stream=body.stream)
+    return await _respond(request, group, planned.render(group), stream=body.stream, traces=body.return_trace)
 
 
-async def _stream_events(group: GenerationGroup, view: View) -> AsyncIterator[bytes]:
+def trace_headers(request: Request) -> tuple[tuple[str, str], ...]:
+    """The W3C trace context the client sent (its spans become the request's parents)."""
+    return tuple((k, v) for k in ("traceparent", "tracestate") if (v := request.headers.get(k)) is not None)
+
+
+def with_traces(payload: Payload, group: GenerationGroup) -> Payload:
+    """OpenAI bodies have no meta_info: with return_trace, each finished choice gets one
+    holding its trace. (The native body's meta_info is the engine's, trace included.)"""
+    choices = payload.get("choices")
+    if isinstance(choices, list):
+        by_index = {c.index: c for c in group.choices}
+        for entry in choices:
+            if isinstance(entry, dict) and entry.get("finish_reason") is not None and entry.get("index") in by_index:
+                trace = by_index[entry["index"]].final_meta().get("trace")
+                if trace is not None:
+                    entry["meta_info"] = {"trace": trace}
+    return payload
+
+
+async def _stream_events(group: GenerationGroup, view: View, traces: bool) -> AsyncIterator[bytes]:
     """SSE bytes for the view's payloads, then [DONE]; an error mid-stream becomes an error event."""
     try:
         async for payload in view.stream():
-            yield sse_event(payload)
+            yield sse_event(with_traces(payload, group) if traces else payload)
+    except asyncio.CancelledError:
+        group.close("client_disconnected")  # starlette cancels the body when the client goes away
+        raise
     except APIError as exc:
         yield sse_event(error_body(exc.status, exc.message, exc.param, exc.code))
     except Exception as exc:  # noqa: BLE001 - headers are sent; the error must go in-band
@@ -128,19 +154,20 @@ async def _stream_events(group: GenerationGroup, view: View) -> AsyncIterator[by
     yield SSE_DONE
 
 
-async def _respond(request: Request, group: GenerationGroup, view: View, *, stream: bool) -> Response:
+async def _respond(request: Request, group: GenerationGroup, view: View, *, stream: bool, traces: bool) -> Response:
     """Launch `group`, then answer with SSE or one JSON body; closes the group on every path."""
     handed_over = False
     try:
         group.launch()
         if stream:
             await until_disconnect(request, group.start())
-            response = SSEResponse(_stream_events(group, view), on_close=group.close)
+            response = SSEResponse(_stream_events(group, view, traces), on_close=lambda: group.close("client_disconnected"))
             handed_over = True
             return response
         await until_disconnect(request, group.run_to_end())
-        return JSONResponse(view.final())
+        return JSONResponse(with_traces(view.final(), group) if traces else view.final())
     except ClientDisconnected:
+        group.close("client_disconnected")
         log.info("client disconnected; request aborted", group=group.id)
         return Response(status_code=CLIENT_CLOSED)
     finally:

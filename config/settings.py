@@ -76,6 +76,11 @@ class EngineSettings:
     )
     enable_mixed_chunk: bool = knob(False, "Let running decodes ride in prefill batches (ForwardMode.MIXED).")
     disable_overlap_schedule: bool = knob(False, "Run each forward inline instead of overlapping with scheduling.")
+    # --- structured output ---
+    grammar_backend: Literal["xgrammar", "none"] = knob(
+        "xgrammar", "Constrained decoding for response_format / json_schema / regex / ebnf / forced tool calls. "
+        "none refuses such requests."
+    )
     # --- kernels ---
     attention_backend: Literal["auto", "torch", "flashinfer"] = knob(
         "auto", "Attention kernels. auto = flashinfer on CUDA, torch on CPU."
@@ -111,8 +116,12 @@ class EngineSettings:
     disaggregation_timeout: float = knob(
         60.0, "Seconds a request may wait for its peer's bootstrap or its KV transfer before it ends with an error."
     )
-    # --- logging ---
+    # --- logging and tracing ---
     decode_log_interval: int = knob(40, "Log a 'Decode batch.' line every this many decode steps.")
+    trace_buffer_size: int = knob(1000, "Finished requests whose per-request trace is kept (GET /v1/requests/{rid}/trace).")
+    otlp_traces_endpoint: str | None = knob(
+        None, "Export each request's trace as OpenTelemetry spans to this OTLP endpoint (e.g. http://localhost:4318/v1/traces)."
+    )
 
     def __post_init__(self) -> None:
         validate(self)
@@ -165,6 +174,7 @@ def validate(s: EngineSettings | ServerSettings) -> None:
         _check_min("page_size", s.page_size, 1, allow_none=False)
         _check_min("max_prefill_tokens", s.max_prefill_tokens, 1, allow_none=False)
         _check_min("decode_log_interval", s.decode_log_interval, 1, allow_none=False)
+        _check_min("trace_buffer_size", s.trace_buffer_size, 0, allow_none=False)
         if s.chunked_prefill_size is not None and s.chunked_prefill_size != -1 and s.chunked_prefill_size < 1:
             raise SettingsError("chunked_prefill_size: must be -1 (off), None (auto) or >= 1")
         if s.chunked_prefill_size not in (None, -1) and s.chunked_prefill_size < s.page_size:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,12 +20,16 @@ from config.settings import EngineSettings
 from runtime import disaggregation, engine_setup
 from runtime.engine_setup import EngineStack
 from runtime.errors import InvalidRequest
-from runtime.managers.io_struct import FAKE_BOOTSTRAP_HOST, BootstrapInfo, GenerateOutput
+from runtime.managers import trace_view
+from runtime.managers.io_struct import FAKE_BOOTSTRAP_HOST, BootstrapInfo, GenerateOutput, TraceJSON, TraceSummaryJSON
 from runtime.managers.req import Req
+from runtime.constrained import GrammarBackend
+from runtime.managers.grammar_manager import GrammarManager
 from runtime.managers.scheduler import Scheduler
 from runtime.managers.scheduler_loop import SchedulerLoop
 from runtime.managers.scheduler_output import OutputProcessor
 from runtime.managers.tokenizer_manager import RequestLimits, SamplingInput, make_req
+from runtime.managers.trace import TraceOptions
 
 Prompt = str | list[int]
 Delivery = GenerateOutput | InvalidRequest  # what a request's queue carries to its caller
@@ -52,6 +57,10 @@ class Engine:
         self.output = OutputProcessor(self.tokenizer)
         self.scheduler = Scheduler(self.settings, self.pools, self.worker, self.output)
         self.scheduler_loop = SchedulerLoop(self.scheduler)
+        self.trace_exporter = trace_view.export_to(self.scheduler, self.settings.otlp_traces_endpoint)
+        if self.settings.grammar_backend == "xgrammar":
+            backend = GrammarBackend(self.tokenizer, self.model_config.vocab_size)
+            self.scheduler.grammars = GrammarManager(backend, self.scheduler.finish, self.scheduler.wake)
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-tokenize")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -128,6 +137,10 @@ class Engine:
         self._loop = None
 
     def _close_workers(self) -> None:
+        if self.trace_exporter is not None:
+            self.trace_exporter.shutdown()  # exports what is queued
+        if self.scheduler.grammars is not None:
+            self.scheduler.grammars.backend.close()
         self.worker.close()
         if self.tp is not None:
             self.tp.close()
@@ -156,13 +169,17 @@ class Engine:
                 f"this is a {self.settings.disaggregation_mode} server: requests need bootstrap_host, bootstrap_port "
                 "and bootstrap_room (send them through sglang-router --pd-disaggregation)", param="bootstrap_room")
         req = make_req(ids, params, rid, return_logprob, top_logprobs_num, limits)
+        if req.sampling_params.grammar is not None and self.scheduler.grammars is None:
+            kind = req.sampling_params.grammar[0]
+            raise InvalidRequest(f"{kind} needs structured output: this server runs --grammar-backend none", param=kind)
         req.bootstrap = bootstrap
         return req
 
     async def _submit(
         self, prompt: Prompt, params: SamplingInput, rid: str | None, stream: bool, return_logprob: bool, top_logprobs_num: int,
-        bootstrap: BootstrapInfo | None = None,
+        bootstrap: BootstrapInfo | None = None, trace: TraceOptions | None = None,
     ) -> tuple[Req, asyncio.Queue[Delivery]]:
+        arrival = time.monotonic()
         caller = asyncio.get_running_loop()
         engine_loop = self._ensure_started()
         if isinstance(prompt, str):
@@ -172,6 +189,7 @@ class Engine:
         else:
             raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
         req = self._make_req(ids, params, rid or uuid.uuid4().hex, return_logprob, top_logprobs_num, bootstrap)
+        req.trace.received(arrival, trace)
         queue: asyncio.Queue[Delivery] = asyncio.Queue()
         deliver: Callable[[Delivery], None]
         if caller is engine_loop:
@@ -199,10 +217,12 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         bootstrap: BootstrapInfo | None = None,
+        trace: TraceOptions | None = None,
     ) -> GenerateOutput:
         """The whole output of one prompt. Cancelling the awaiting task aborts the request.
-        `bootstrap`: on a prefill/decode server, where the KV goes or comes from."""
-        return await self._generate_one(prompt, sampling_params, rid, return_logprob, top_logprobs_num, bootstrap)
+        `bootstrap`: on a prefill/decode server, where the KV goes or comes from.
+        `trace`: return_trace, the caller's trace context and arrival (runtime/managers/trace.py)."""
+        return await self._generate_one(prompt, sampling_params, rid, return_logprob, top_logprobs_num, bootstrap, trace)
 
     async def async_generate_stream(
         self,
@@ -212,10 +232,11 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         bootstrap: BootstrapInfo | None = None,
+        trace: TraceOptions | None = None,
     ) -> AsyncGenerator[GenerateOutput, None]:
         """The output of one prompt as delta chunks (io_struct); the last has finish_reason.
         Closing it early (aclose, break, cancelling the task) aborts the request."""
-        req, queue = await self._submit(prompt, sampling_params, rid, True, return_logprob, top_logprobs_num, bootstrap)
+        req, queue = await self._submit(prompt, sampling_params, rid, True, return_logprob, top_logprobs_num, bootstrap, trace)
         finished = False
         try:
             while not finished:
@@ -226,17 +247,17 @@ class Engine:
                 yield item
         finally:
             if not finished:
-                self.abort(req.rid)
+                self.abort(req.rid, why="stream_closed")
 
     async def _generate_one(
         self, prompt: Prompt, params: SamplingInput, rid: str | None, return_logprob: bool, top_k: int,
-        bootstrap: BootstrapInfo | None = None,
+        bootstrap: BootstrapInfo | None = None, trace: TraceOptions | None = None,
     ) -> GenerateOutput:
-        req, queue = await self._submit(prompt, params, rid, False, return_logprob, top_k, bootstrap)
+        req, queue = await self._submit(prompt, params, rid, False, return_logprob, top_k, bootstrap, trace)
         try:
             item = await queue.get()
         except asyncio.CancelledError:
-            self.abort(req.rid)
+            self.abort(req.rid, why="cancelled")
             raise
         if isinstance(item, InvalidRequest):
             raise item
@@ -248,6 +269,7 @@ class Engine:
         sampling_params: SamplingInput | list[SamplingInput] = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        return_trace: bool = False,
     ) -> GenerateOutput | list[GenerateOutput]:
         batched = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
         prompts = cast(list[Prompt], list(prompt) if batched else [prompt])
@@ -257,7 +279,9 @@ class Engine:
         loop = self._ensure_started()
 
         async def run_all() -> list[GenerateOutput]:
-            tasks = [asyncio.ensure_future(self._generate_one(p, sp, None, return_logprob, top_logprobs_num)) for p, sp in zip(prompts, params)]
+            trace = TraceOptions(return_trace=True) if return_trace else None
+            tasks = [asyncio.ensure_future(self._generate_one(p, sp, None, return_logprob, top_logprobs_num, None, trace))
+                     for p, sp in zip(prompts, params)]
             try:
                 return list(await asyncio.gather(*tasks))
             except BaseException:
@@ -278,8 +302,15 @@ class Engine:
             return None
         return BootstrapInfo(FAKE_BOOTSTRAP_HOST, 0, uuid.uuid4().int >> 64)
 
-    def abort(self, rid: str) -> None:
-        self._call_on_loop(self.scheduler.abort, rid)
+    def abort(self, rid: str, why: str = "abort_request") -> None:
+        """Abort one request (no-op if unknown); `why` goes in its trace."""
+        self._call_on_loop(self._abort, rid, why)
+
+    def _abort(self, rid: str, why: str) -> None:
+        req = self.scheduler.reqs_by_rid.get(rid)
+        if req is not None and not req.to_abort and not req.finished():
+            req.trace.abort_requested(why)
+        self.scheduler.abort(rid)
 
     def abort_all(self) -> None:
         self._call_on_loop(self.scheduler.abort, None)
@@ -328,3 +359,11 @@ class Engine:
 
     def get_server_info(self) -> dict[str, Any]:
         return self.scheduler.server_info()
+
+    def get_trace(self, rid: str) -> TraceJSON | None:
+        """The timeline of a running request or one of the last `trace_buffer_size` finished; None if unknown."""
+        return trace_view.trace_of(self.scheduler, rid)
+
+    def recent_traces(self, limit: int = 50) -> list[TraceSummaryJSON]:
+        """One line per running request, then per finished one, newest first."""
+        return trace_view.recent(self.scheduler, limit)

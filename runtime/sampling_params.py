@@ -102,6 +102,10 @@ class SamplingParams:
     no_stop_trim: bool = _param(False, "Keep the matched stop string at the end of the text.")
     seed: int | None = _param(None, "RNG seed: the same seed, prompt and params give the same output.",
                               ge=0, lt=SEED_END)
+    # Structured output (at most one; needs --grammar-backend xgrammar).
+    json_schema: str | None = _param(None, "Constrain the output to this JSON schema (given as a JSON string).")
+    regex: str | None = _param(None, "Constrain the output to match this regular expression.")
+    ebnf: str | None = _param(None, "Constrain the output to this EBNF grammar (xgrammar/GBNF syntax, start rule `root`).")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -126,6 +130,18 @@ class SamplingParams:
         if self.min_new_tokens > self.max_new_tokens:
             raise InvalidParam("min_new_tokens", self.min_new_tokens,
                                f"must not exceed the most tokens to generate ({self.max_new_tokens})")
+        given = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise InvalidParam(given[1], getattr(self, given[1]), f"cannot be combined with {given[0]}: give one constraint")
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the output constraint, or None."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -158,6 +174,8 @@ def _violation(hint: object, spec: ParamSpec, value: object) -> str | None:
     if hint == list[int]:
         ok = isinstance(value, list) and all(_is_int(t) and spec.admits(t) for t in value)
         return None if ok else spec.rule("a list of integers")
+    if hint == str | None:
+        return None if value is None or (isinstance(value, str) and value) else "must be a non-empty string"
     if hint == int | None and value is None:
         return None
     kind, ok = ("a number", _is_number(value)) if hint is float else ("an integer", _is_int(value))

@@ -176,6 +176,7 @@ SLOW_FIXTURES = frozenset(
         "hf_oracle", "make_engine", "make_module_engine", "smollm2",  # conftest.py, test_models.py
         "server", "servers", "limited", "offline_engine", "tiny_server", "cluster",  # server suites, test_bench.py
         "tp_engine", "tp_logits",  # test_tp.py, test_tp_layers.py
+        "traced_server",  # test_server_trace.py, test_dashboard_browser.py
     }
 )
 # Slow without any of those fixtures: node ids (parameters aside), or a file for all its tests.

@@ -31,6 +31,7 @@ from app.tokens import TokenizerService
 from config import EngineSettings, ServerSettings
 from runtime.errors import InvalidRequest
 from runtime.managers.io_struct import BootstrapInfo, GenerateOutput, MetaInfo
+from runtime.managers.trace import TraceOptions
 from runtime.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -213,6 +214,15 @@ def limited_server() -> ServerProcess:
     )
 
 
+# The server the trace and dashboard suites share (tests/test_server_trace.py, test_dashboard_browser.py).
+TRACED_API_KEY = "sk-test-traces"
+
+
+def start_traced_server() -> ServerProcess:
+    """An API key, and a small trace buffer."""
+    return shared_server("--trace-buffer-size", "64", api_key=TRACED_API_KEY)
+
+
 @atexit.register
 def _stop_servers() -> None:
     for server in _servers.values():
@@ -298,7 +308,7 @@ class FakeEngine:
     def get_server_info(self) -> dict[str, Any]:
         return {"max_total_num_tokens": 4096, "num_running_reqs": 0, "num_waiting_reqs": self.num_waiting_reqs}
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str, why: str = "abort_request") -> None:
         self.aborted.append(rid)
 
     def self_check_bootstrap(self) -> BootstrapInfo | None:
@@ -306,7 +316,8 @@ class FakeEngine:
 
     def async_generate_stream(self, prompt: list[int], params: SamplingParams, rid: str = "",
                               return_logprob: bool = False, top_logprobs_num: int = 0,
-                              bootstrap: BootstrapInfo | None = None) -> AsyncGenerator[GenerateOutput, None]:
+                              bootstrap: BootstrapInfo | None = None,
+                              trace: TraceOptions | None = None) -> AsyncGenerator[GenerateOutput, None]:
         self.bootstraps.append(bootstrap)
         return self._stream(prompt, params, rid, return_logprob, top_logprobs_num)
 

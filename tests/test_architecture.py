@@ -22,6 +22,7 @@ RANKS: dict[str, float] = {
     "runtime.disaggregation": 6.5,  # prefill/decode servers: drives the scheduler through its hooks
     "runtime.managers": 6,
     "runtime.model_executor": 5,
+    "runtime.constrained": 4.5,  # grammar matchers: made by the scheduler, advanced by the worker
     "runtime.mem": 4,
     "runtime.models": 3,
     "runtime.layers": 2,

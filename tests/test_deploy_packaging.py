@@ -87,3 +87,6 @@ def test_the_wheel_carries_the_cpu_kernel_source(tmp_path: Path):
     needed = {str(p.relative_to(ROOT)) for p in (ROOT / "kernels").rglob("*") if re.search(r"\.(cpp|cu|h)$", p.name)}
     assert needed, "kernels/ has no C++ sources: update this test"
     assert needed <= names, f"missing from the wheel: {sorted(needed - names)}"
+    # GET /dashboard serves these files.
+    dashboard = {str(p.relative_to(ROOT)) for p in (ROOT / "app" / "dashboard").iterdir()}
+    assert {"app/dashboard/index.html", "app/dashboard/dashboard.js"} <= dashboard <= names, sorted(dashboard - names)

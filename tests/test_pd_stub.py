@@ -263,7 +263,9 @@ def test_an_abort_before_the_peer_half_arrives_ends_that_half_at_once(make_pd: C
 
     async def main() -> tuple[GenerateOutput, GenerateOutput]:
         mine = asyncio.ensure_future(first.async_generate(prompt, greedy(8), rid="victim", bootstrap=info))
-        await asyncio.sleep(0.05)  # queued: bootstrap queue (prefill) or transfer queue (decode)
+        queue = "num_prefill_bootstrap_queue_reqs" if side == "prefill" else "num_decode_transfer_queue_reqs"
+        while first.get_server_info()[queue] == 0:  # queued, waiting for its peer
+            await asyncio.sleep(0.005)
         first.abort("victim")
         out = await mine
         return out, await asyncio.wait_for(second.async_generate(prompt, greedy(8), bootstrap=info), 5)

@@ -81,6 +81,7 @@ class DecodeDisaggregation:
         if req.bootstrap is None or req.bootstrap.is_fake or self.backend == "fake":
             return False  # this server prefills it itself
         self.prealloc_queue.append(req)
+        req.trace.queued("prealloc")
         return True
 
     def abort(self, req: Req) -> bool:
@@ -144,6 +145,7 @@ class DecodeDisaggregation:
             peer = self._peer(req.bootstrap)
             room = req.bootstrap.room
             self.transfer_queue[room] = Reservation(req, peer, row, slots, time.monotonic() + self.timeout)
+            req.trace.queued("transfer", kv_slots=n)
             peer.rooms.add(room)
             peer.send({"op": "prealloc", "room": room, "prompt_len": n})
 
@@ -214,6 +216,7 @@ class DecodeDisaggregation:
         req.cached_tokens = int(header.get("cached_tokens", 0))
         req.row_dirty = True  # the worker has never seen this row
         res.peer.send({"op": "ack", "room": room})
+        req.trace.kv_received()
         self.ready.append(res)
         self.scheduler.wake()
 

@@ -94,6 +94,7 @@ class PrefillDisaggregation:
             self._bind(req, early[0], early[1])
         else:
             self.bootstrap_queue[room] = (req, time.monotonic() + self.timeout)
+            req.trace.queued("bootstrap")
         return True
 
     def abort(self, req: Req) -> bool:
@@ -104,6 +105,10 @@ class PrefillDisaggregation:
         elif req in self.bootstrapped:
             self.bootstrapped.remove(req)
             self._unbind(room, "the request was aborted on the prefill server")
+        elif room in self.inflight:  # finished, KV on its way: the transfer fails, then releases it
+            if (ack := self.acks.get(room)) is not None and not ack.done():
+                ack.set_exception(PeerGone("the request was aborted on the prefill server"))
+            return True
         else:
             return False
         self.scheduler.finish(req, FinishReason("abort", message="aborted"))
@@ -146,6 +151,7 @@ class PrefillDisaggregation:
         self.bound[room] = (req, peer)
         peer.rooms.add(room)
         self.bootstrapped.append(req)
+        req.trace.queued("waiting")  # the scheduler's next poll moves it there
         self.scheduler.wake()
 
     def _unbind(self, room: int, notify: str | None = None) -> None:
@@ -168,7 +174,7 @@ class PrefillDisaggregation:
     def _on_peer_abort(self, room: int, why: str) -> None:
         """The decode side ended `room` (its client left, it failed, or its peer died)."""
         if (queued := self.bootstrap_queue.pop(room, None)) is not None:
-            self.scheduler.finish(queued[0], FinishReason("abort", message=why))
+            self.scheduler.finish(queued[0], peer_error(why))
         elif (ack := self.acks.get(room)) is not None:
             if not ack.done():
                 ack.set_exception(PeerGone(why))
@@ -177,7 +183,7 @@ class PrefillDisaggregation:
             self._unbind(room)
             if req in self.bootstrapped:
                 self.bootstrapped.remove(req)
-                self.scheduler.finish(req, FinishReason("abort", message=why))
+                self.scheduler.finish(req, peer_error(why))
             else:
                 self.scheduler.abort(req.rid)  # waiting or running: ends at its next round
         else:
@@ -209,6 +215,7 @@ class PrefillDisaggregation:
         self._unbind(room, error.message if error is not None else None)
         self.inflight.pop(room, None)
         self.stats.done(room, nbytes, error is None)
+        req.trace.kv_sent(None if error is None else error.message)
         self.scheduler.release_held(req, kv_len, error)
 
     # ---- the bootstrap server ----------------------------------------------------------

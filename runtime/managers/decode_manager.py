@@ -93,7 +93,10 @@ class DecodeManager:
             return None, []
         retracted: list[Req] = []
         if not batch.check_decode_mem():
+            held = {id(r): n for r, n in zip(batch.reqs, batch.seq_lens)}  # KV slots, for the traces
             retracted = batch.retract_decode()
+            for r in retracted:
+                r.trace.retracted(len(r.output_ids), held[id(r)])
             self.new_token_ratio = self.init_new_token_ratio
             self.stats.add("num_retracted_reqs_total", len(retracted))
             log.info("Retract requests.", retracted=len(retracted), running=batch.batch_size(), new_token_ratio=self.new_token_ratio)

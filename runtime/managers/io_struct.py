@@ -43,6 +43,40 @@ class FinishReasonJSON(TypedDict):
     status_code: NotRequired[int]  # an abort the server caused (e.g. a KV transfer failed): the HTTP status
 
 
+TraceValue = int | float | str | bool | None  # what a trace event's fields hold
+
+
+class TraceSpanJSON(TypedDict):
+    """One phase of a request (tokenize, queue, prefill, decode, kv_transfer): seconds after
+    its arrival; `end` is None while the phase runs."""
+
+    name: str
+    start: float
+    end: float | None
+    attributes: dict[str, TraceValue]
+
+
+class TraceSummaryJSON(TypedDict):
+    rid: str
+    state: str  # "running" | "finished"
+    arrival_time: float  # unix seconds; every `t`, `start` and `end` of the trace is seconds after it
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int  # the radix cache's hit on the first admission
+    retractions: int
+    finish_reason: str | None  # "stop" | "length" | "abort", once finished
+    ttft: float | None  # arrival to first token
+    e2e: float | None  # arrival to finish
+
+
+class TraceJSON(TraceSummaryJSON):
+    """A request's timeline (runtime/managers/trace.py lists the events and their fields)."""
+
+    traceparent: str | None  # the W3C trace context of the caller's request, when it sent one
+    events: list[dict[str, TraceValue]]  # {"event": name, "t": seconds after arrival, **fields}
+    spans: list[TraceSpanJSON]
+
+
 class MetaInfo(TypedDict):
     id: str
     prompt_tokens: int
@@ -54,6 +88,7 @@ class MetaInfo(TypedDict):
     e2e_latency: float | None
     output_token_logprobs: NotRequired[list[TokenLogprob]]  # this chunk's tokens; with return_logprob
     output_top_logprobs: NotRequired[list[list[TokenLogprob]]]  # this chunk's tokens; with top_logprobs_num > 0
+    trace: NotRequired[TraceJSON]  # the last chunk only, with return_trace
 
 
 class GenerateOutput(TypedDict):

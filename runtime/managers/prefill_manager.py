@@ -105,8 +105,12 @@ class PrefillManager:
         for r in can_run:
             if r.first_scheduled_time is None:  # first prefill (not a later chunk or a re-prefill)
                 r.cached_tokens = len(r.prefix_indices)
+            # (Before prepare_for_extend: a request without a row is being admitted.)
+            r.trace.prefill_chunk(r.extend_input_len, len(r.prefix_indices), len(can_run), running_bs,
+                                  r is self.chunked_req, r.req_pool_idx is None)
 
         batch = ScheduleBatch(can_run, self.pools.req_to_token_pool, self.pools.allocator, tree_cache)
+        batch.intermediate_chunk = self.chunked_req
         batch.prepare_for_extend()
         self.stats.log_prefill(snapshot(), len(can_run), adder.log_input_tokens, adder.log_hit_tokens, running_bs)
         return PrefillBatch(batch, mixed)

@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from runtime.managers.io_struct import BootstrapInfo, FinishReasonJSON
+from runtime.managers.trace import RequestTrace
 from runtime.model_executor.worker import BatchResult
 from runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from runtime.constrained import Grammar
     from runtime.mem.prefix_cache import PrefixCache, TreeNode
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -65,6 +67,7 @@ class Req:
         self.top_logprobs_num = top_logprobs_num
         self.priority = priority
         self.bootstrap = bootstrap  # prefill/decode disaggregation: where its KV goes or comes from
+        self.grammar: Grammar | None = None  # its output constraint, once compiled (GrammarManager)
 
         # Scheduling state.
         self.fill_ids: list[int] = []
@@ -93,6 +96,7 @@ class Req:
 
         # Timing (time.monotonic seconds).
         self.arrival_time = time.monotonic()
+        self.trace = RequestTrace(rid, self.arrival_time, len(input_ids))  # its timeline (trace.py)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None

@@ -41,6 +41,10 @@ class ScheduleBatch:
     # Next-token placeholder of each request (a future id < 0), set at launch.
     next_input: list[int] = field(default_factory=list)
     decoding_reqs: list[Req] = field(default_factory=list)  # decodes riding in a MIXED batch
+    # The request whose chunk in this batch does not end its prompt: it samples nothing
+    # real. (Its is_chunked count lags under overlap: the previous chunk's result may
+    # not be processed when this batch is built.)
+    intermediate_chunk: Req | None = None
     batch_is_full: bool = False
     epochs: list[int] = field(default_factory=list)
     # Decode rounds over the same requests share one SamplingBatchInfo (immutable
@@ -238,7 +242,7 @@ class ScheduleBatch:
 
     def _sampling_info(self) -> SamplingBatchInfo:
         if not self.forward_mode.is_decode():
-            return sampling_info_of(self.reqs, self.forward_mode, self.prefix_slots)
+            return sampling_info_of(self.reqs, self.forward_mode, self.prefix_slots, self.intermediate_chunk)
         if self._decode_sampling is None:
             self._decode_sampling = sampling_info_of(self.reqs, self.forward_mode, self.prefix_slots)
         return self._decode_sampling
@@ -260,12 +264,14 @@ class ScheduleBatch:
         )
 
 
-def sampling_info_of(reqs: list[Req], mode: ForwardMode, prefix_slots: list[torch.Tensor | None]) -> SamplingBatchInfo:
+def sampling_info_of(
+    reqs: list[Req], mode: ForwardMode, prefix_slots: list[torch.Tensor | None], intermediate: Req | None = None
+) -> SamplingBatchInfo:
     sps = [r.sampling_params for r in reqs]
     temps = [0.0 if sp.is_greedy else sp.temperature for sp in sps]
     penalized, rows, resets, stop_ids = [], [], [], []
     for i, (r, sp) in enumerate(zip(reqs, sps)):
-        if (sp.has_penalty or sp.min_new_tokens > 0) and not r.is_chunked:
+        if (sp.has_penalty or sp.min_new_tokens > 0) and r is not intermediate:
             penalized.append(i)
             rows.append(r.row)
             stop_ids.append(sorted(r.stop_token_ids))
@@ -290,4 +296,6 @@ def sampling_info_of(reqs: list[Req], mode: ForwardMode, prefix_slots: list[torc
         min_new_tokens=torch.tensor([sp.min_new_tokens for sp in psp], dtype=torch.int64),
         stop_ids=stop_ids,
         resets=resets,
+        # A chunk that does not end its prompt samples nothing real: no constraint there.
+        grammars=[r.grammar if r is not intermediate else None for r in reqs] if any(r.grammar for r in reqs) else None,
     )

@@ -16,11 +16,13 @@ import structlog
 from config.settings import EngineSettings
 from runtime.managers.decode_manager import DecodeManager
 from runtime.managers.disagg_hooks import Disaggregation
+from runtime.managers.grammar_manager import GrammarManager
 from runtime.managers.prefill_manager import PrefillManager
 from runtime.managers.req import FinishReason, Req
 from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.managers.scheduler_output import OutputProcessor
 from runtime.managers.scheduler_stats import LoadSnapshot, SchedulerStats
+from runtime.managers.trace import TraceStore
 from runtime.mem.pools import MemoryPools
 from runtime.model_executor.future_map import FutureMap
 from runtime.model_executor.worker import BatchResult, Worker
@@ -54,7 +56,9 @@ class Scheduler:
         self.decode = DecodeManager(settings, pools, self.stats)
         self.last_batch: ScheduleBatch | None = None
         self.reqs_by_rid: dict[str, Req] = {}
+        self.traces = TraceStore(settings.trace_buffer_size)  # finished requests' timelines (trace.py)
         self.disagg: Disaggregation | None = None  # set by the engine in prefill/decode mode
+        self.grammars: GrammarManager | None = None  # set by the engine with --grammar-backend xgrammar
 
         self._wake = asyncio.Event()
         self.inflight = 0  # forwards launched but not yet processed (SchedulerLoop sets it)
@@ -74,9 +78,17 @@ class Scheduler:
     # ---- requests in/out --------------------------------------------------------
     def add_request(self, req: Req) -> None:
         self.reqs_by_rid[req.rid] = req
-        if self.disagg is None or not self.disagg.add(req):
-            self.waiting_queue.append(req)
+        if self.grammars is None or not self.grammars.add(req):
+            self._enqueue(req)
+        else:
+            req.trace.queued("grammar")
         self._wake.set()
+
+    def _enqueue(self, req: Req) -> None:
+        """A request ready to schedule (its grammar, if any, compiled)."""
+        if self.disagg is None or not self.disagg.add(req):
+            req.trace.queued("waiting")
+            self.waiting_queue.append(req)
 
     def wake(self) -> None:
         self._wake.set()
@@ -90,6 +102,8 @@ class Scheduler:
                 continue
             req.to_abort = True
             if self.disagg is not None and self.disagg.abort(req):
+                continue
+            if self.grammars is not None and self.grammars.abort(req):
                 continue
             if req in self.waiting_queue:
                 self.waiting_queue.remove(req)
@@ -105,6 +119,7 @@ class Scheduler:
         waiting one only drops its unlocked prefix match."""
         assert not req.finished(), f"{req.rid} finished twice"
         req.finished_reason = reason
+        req.trace.finished(reason.type, reason.message, len(req.output_ids), kv_len)
         if self.disagg is not None and self.disagg.hold(req, kv_len):
             return  # a prefill server's KV is on its way: release_held ends it
         self._release(req, kv_len)
@@ -121,9 +136,11 @@ class Scheduler:
             self.tree_cache.cache_finished_req(req, kv_len=kv_len)
         else:
             PrefillManager.release_waiting(req)
+        self.traces.put(req.trace)  # before it leaves reqs_by_rid: readers always find it
         self.reqs_by_rid.pop(req.rid, None)
         self.stats.on_finished(req)
         self.output.emit(req)
+        self.traces.export(req.trace)  # after the last output: OTLP never delays it
 
     @property
     def num_running_reqs(self) -> int:
@@ -158,6 +175,7 @@ class Scheduler:
             max_total_num_tokens=self.max_total_num_tokens,
             available_kv_tokens=self.allocator.available_size(),
             evictable_kv_tokens=self.tree_cache.evictable_size(),
+            tree_cache_tokens=self.tree_cache.total_size(),
             num_running_reqs=self.num_running_reqs,
             num_waiting_reqs=len(self.waiting_queue),
             req_pool_free_rows=self.req_to_token_pool.available_size(),
@@ -175,17 +193,24 @@ class Scheduler:
         # (The disaggregation queues move only on events, which wake the loop.)
         return bool(self.waiting_queue) or not self.running_batch.is_empty() or self.chunked_req is not None
 
-    async def sleep_until_woken(self) -> None:
-        """Called with nothing to do. Nothing can change without an add_request, abort,
-        wake or stop, each of which sets _wake; none can run between the caller's
-        has_work() check and the clear() here (no await in between)."""
+    def begin_round(self) -> None:
+        """From here on, an add_request, abort, wake or stop (each sets _wake) means the
+        round must look again: a wake during the round's awaits is not lost."""
         self._wake.clear()
+
+    async def sleep_until_woken(self) -> None:
+        """Called with nothing to do since begin_round: returns at once if something
+        woke the scheduler meanwhile (a KV transfer, a grammar, a request)."""
         self.decode.new_token_ratio = self.decode.init_new_token_ratio
         await self._wake.wait()
 
     def fail_all(self, exc: Exception) -> None:
         """A round raised: every request ends with the error and the pools start over."""
         reqs = list(self.reqs_by_rid.values())
+        if self.grammars is not None:
+            self.grammars.queue.clear()  # they hold nothing
+        for req in reqs if self.disagg is not None else ():
+            self.disagg.abort(req)  # reservations and transfers end while the pools are intact
         self.prefill.waiting_queue, self.prefill.chunked_req = [], None
         self.decode.running_batch, self.last_batch = self.decode.empty_batch(), None
         self.req_to_token_pool.clear()
@@ -194,11 +219,15 @@ class Scheduler:
         self.inflight = 0
         for req in reqs:  # the pools were reset wholesale: nothing left to release
             req.req_pool_idx = None
-            self.finish(req, aborted(f"internal error: {exc}"))
+            if not req.finished():  # (a held one ends when its transfer does)
+                self.finish(req, aborted(f"internal error: {exc}"))
 
     # ---- building batches ------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         prebuilt: list[Req] = []
+        if self.grammars is not None:
+            for req in self.grammars.move_ready():
+                self._enqueue(req)
         if self.disagg is not None:
             bootstrapped, prebuilt = self.disagg.poll()
             self.waiting_queue.extend(bootstrapped)
@@ -253,6 +282,9 @@ class Scheduler:
         joining = []
         for req in reqs:
             req.has_prefilled, req.first_token_time = True, time.monotonic()
+            req.trace.first_token()
+            if req.grammar is not None:
+                req.grammar.accept_later(req.output_ids[-1])  # sampled by the prefill server
             reason = self._token_reason(req)
             if reason is None and not self.output.emit(req):
                 reason = aborted()  # the consumer is gone
@@ -278,13 +310,16 @@ class Scheduler:
         assert batch.out_cache_loc is not None
         for i, req in enumerate(batch.reqs):
             token_pos += batch.extend_lens[i]
-            if req.epoch != batch.epochs[i]:
-                continue  # retracted after this forward was launched
+            if req.epoch != batch.epochs[i]:  # retracted after this forward was launched
+                if req.grammar is not None:
+                    req.grammar.rollback_later()  # the worker accepted the token dropped here
+                continue
             if i < n_extend:
                 if req.is_chunked > 0:
                     req.is_chunked -= 1
                     continue
                 req.has_prefilled = True
+                req.trace.prefilled()
             if req.finished():
                 # Overlap ran one step past the finish: return that step's KV slot
                 # unless it shares the (already released) tail page.
@@ -302,9 +337,12 @@ class Scheduler:
                 reason = self._token_reason(req)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
+                if req.output_ids:  # (an abort gets no token)
+                    req.trace.first_token()
             if reason is not None:
                 # This forward wrote KV for positions < seq_len; later ones have none.
                 self.finish(req, reason, kv_len=batch.seq_lens[i])
             elif not output.emit(req):
                 req.to_abort = True  # the consumer is gone: end it at its next result
+                req.trace.abort_requested("consumer_gone")
         self.stats.add("generation_tokens_total", num_tokens)

@@ -52,6 +52,7 @@ class SchedulerLoop:
     async def _run_rounds(self, pending: Pending) -> None:
         s = self.scheduler
         while not self._stopped:
+            s.begin_round()
             batch = s.get_next_batch_to_run()
             if batch is not None:
                 mwb = batch.get_model_worker_batch(s.futures)

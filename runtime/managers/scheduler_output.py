@@ -85,6 +85,8 @@ class OutputProcessor:
             "first_token_time": None if req.first_token_time is None else req.first_token_time - req.arrival_time,
             "e2e_latency": None if req.finished_time is None else req.finished_time - req.arrival_time,
         }
+        if req.finished_reason is not None and req.trace.options.return_trace:
+            meta["trace"] = req.trace.to_json(len(req.output_ids))
         if req.return_logprob:
             meta["output_token_logprobs"] = req.output_token_logprobs[start:]
             if req.top_logprobs_num > 0:

@@ -25,6 +25,7 @@ class LoadSnapshot:
     max_total_num_tokens: int
     available_kv_tokens: int
     evictable_kv_tokens: int
+    tree_cache_tokens: int  # every slot the prefix cache holds (evictable or locked)
     num_running_reqs: int
     num_waiting_reqs: int
     req_pool_free_rows: int
@@ -64,6 +65,7 @@ class SchedulerStats:
             c["num_aborted_requests_total"] += 1
 
     def log_prefill(self, s: LoadSnapshot, new_seq: int, new_tokens: int, cached_tokens: int, running_bs: int) -> None:
+        self.counters["prefill_tokens_total"] += new_tokens
         log.info(
             f"Prefill batch. #new-seq: {new_seq}, #new-token: {new_tokens}, #cached-token: {cached_tokens}, "
             f"token usage: {s.token_usage:.2f}, #running-req: {running_bs}, #queue-req: {s.num_waiting_reqs}"
@@ -102,6 +104,7 @@ class SchedulerStats:
             "num_requests_total": c["num_requests_total"],
             "prompt_tokens_total": c["prompt_tokens_total"],
             "generation_tokens_total": c["generation_tokens_total"],
+            "prefill_tokens_total": c["prefill_tokens_total"],  # prompt tokens computed (cache hits excluded)
             "cached_tokens_total": c["cached_tokens_total"],
             "num_aborted_requests_total": c["num_aborted_requests_total"],
         }

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from kernels.sampling import filter_min_p, filter_top_k_top_p, sample_no_sync
+from runtime.constrained import Grammar
 from runtime.model_executor.sampling_info import SamplingBatchInfo
 
 
@@ -67,6 +68,7 @@ class Sampler:
     def __init__(self, num_rows: int, vocab_size: int, device: torch.device | str) -> None:
         self.num_rows, self.vocab_size, self.device = num_rows, vocab_size, device
         self.penalties: PenaltyState | None = None  # allocated on first use
+        self._bitmask: torch.Tensor | None = None  # grammar masks, int32 [rows, ceil(vocab / 32)]
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo, top_logprobs_nums: list[int]) -> SampleOutput:
         logits = logits.float()
@@ -77,6 +79,8 @@ class Sampler:
             for r in info.resets:
                 self.penalties.reset(r.row, r.prompt_ids, r.output_ids)
             self.penalties.apply(logits, info)
+        if info.grammars is not None:
+            self._mask(logits, info.grammars)
 
         greedy = logits.argmax(dim=-1)
         if info.is_all_greedy:
@@ -96,6 +100,10 @@ class Sampler:
 
         if info.penalized and self.penalties is not None:
             self.penalties.commit(info, next_ids)
+        if info.grammars is not None:
+            for grammar, token in zip(info.grammars, next_ids.tolist()):
+                if grammar is not None:
+                    grammar.accept(token)
 
         token_lp = top_lp = top_ids = None
         if logprobs is not None:
@@ -104,3 +112,18 @@ class Sampler:
             if k > 0:
                 top_lp, top_ids = logprobs.topk(k, dim=-1)
         return SampleOutput(next_ids, token_lp, top_lp, top_ids)
+
+    def _mask(self, logits: torch.Tensor, grammars: list[Grammar | None]) -> None:
+        """-inf on every token the row's grammar forbids next (constrained rows only)."""
+        import xgrammar
+
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        if self._bitmask is None or self._bitmask.shape[0] < len(grammars):
+            self._bitmask = xgrammar.allocate_token_bitmask(max(len(grammars), 8), self.vocab_size)
+        bitmask = self._bitmask[: len(grammars)]
+        for i in rows:
+            grammar = grammars[i]
+            assert grammar is not None
+            grammar.fill(bitmask, i)
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+

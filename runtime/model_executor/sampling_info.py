@@ -4,8 +4,10 @@ from its requests in `runtime.managers.schedule_batch`, read by the sampler)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
+from runtime.constrained import Grammar
 
 
 @dataclass(slots=True)
@@ -37,3 +39,5 @@ class SamplingBatchInfo:
     min_new_tokens: torch.Tensor  # [len(penalized)] int64
     stop_ids: list[list[int]]  # tokens blocked until min_new_tokens is reached
     resets: list[PenaltyReset]
+    # Per row, the request's output constraint (None: unconstrained); None when no row has one.
+    grammars: list[Grammar | None] | None = None
