@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import orjson
 from typing import Annotated, Literal, TypeVar, cast
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetJsonSchemaHandler, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetJsonSchemaHandler, ValidationInfo, field_validator, model_validator
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
@@ -219,21 +219,63 @@ class TextPart(Strict):
     text: Text
 
 
+class MessageFunctionCall(Strict):
+    name: Text
+    arguments: Text  # JSON text
+
+
+class MessageToolCall(Strict):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    # Required for every role: tool calls (the one case OpenAI allows without) are not supported.
-    content: Text | list[TextPart]
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: Text | None = None
+    # Required for every role but an assistant turn that made tool calls (as OpenAI).
+    # Declared after tool_calls: its validator reads them.
+    content: Text | list[TextPart] | None = Field(None, validate_default=True)
 
-    def for_template(self) -> dict[str, str]:
-        """The message as chat templates expect it: text parts joined by newlines."""
+    @field_validator("content", mode="after")
+    @classmethod
+    def _content_or_calls(cls, content: str | list[TextPart] | None, info: ValidationInfo) -> str | list[TextPart] | None:
+        if content is None and not info.data.get("tool_calls"):
+            raise ValueError("content is required (an assistant message may give tool_calls instead)")
+        return content
+
+    @model_validator(mode="after")
+    def _calls_from_the_assistant(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    def for_template(self) -> dict[str, object]:
+        """The message as chat templates expect it: text parts joined by newlines, tool
+        call arguments as objects."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        message = {"role": self.role, "content": content}
+        message: dict[str, object] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
         return message
+
+
+def _json_or_text(text: str) -> object:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text
 
 
 class JSONSchemaFormat(Strict):
@@ -263,6 +305,32 @@ class ResponseFormat(Strict):
         return orjson.dumps(schema if schema is not None else {"type": "object"}).decode()
 
 
+class FunctionDef(Strict):
+    name: Text = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: Text | None = None
+    parameters: dict[str, object] | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Strict):
+    name: Text
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int | None, EngineParam("max_new_tokens", "Default: up to the context length.")] = None
@@ -270,14 +338,19 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, object]] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = Field(None, description="Default: auto with tools, none without.")
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools are not supported")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if self.tools and self.response_format is not None and self.response_format.type != "text":
+            if self.tool_choice not in (None, "none"):
+                raise ValueError("response_format cannot be combined with tool calls")
         return self
 
     @property

@@ -88,6 +88,11 @@ class AppState:
         return self.server.served_model_name or self.engine_settings.model_path or DEFAULT_MODEL_NAME
 
     @property
+    def architecture(self) -> str:
+        """The model's architecture (picks the tool-call parser of its chat format)."""
+        return str(getattr(self.ready_engine().model_config, "architecture", ""))
+
+    @property
     def context_len(self) -> int:
         """The most tokens (prompt + completion) one request can use: the model's context,
         or less when the KV pool is smaller (the engine rejects anything larger)."""

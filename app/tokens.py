@@ -38,13 +38,15 @@ class TokenizerService:
         ids = await self._run(self.tokenizer.encode, text, add_special_tokens=add_special_tokens, what="tokenize the prompt")
         return list(ids)
 
-    async def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    async def apply_chat_template(self, messages: list[dict[str, object]], tools: list[dict[str, object]] | None = None) -> str:
+        extra = {"tools": tools} if tools else {}  # templates without tool support ignore it
         text = await self._run(
             self.tokenizer.apply_chat_template,
             messages,
             tokenize=False,
             add_generation_prompt=True,
             what="apply the chat template",
+            **extra,
         )
         if not isinstance(text, str):
             raise APIError(400, "The chat template did not produce text.")

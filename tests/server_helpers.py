@@ -277,7 +277,7 @@ class ByteTokenizer:
     def decode(self, ids: list[int], **_: Any) -> str:
         return bytes(ids).decode(errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool, **_: Any) -> str:
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
 
 

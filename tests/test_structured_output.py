@@ -140,3 +140,49 @@ def test_unconstrained_requests_are_unchanged_by_constrained_ones_beside_them(se
                    for k in range(6)]
     mixed = asyncio.run(_many(server, constrained + plain))[len(constrained):]
     assert [c["message"]["content"] for c in mixed] == alone
+
+
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
+                  "required": ["city", "unit"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER_PARAMS}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_named_tool_call_returns_valid_arguments(server: ServerProcess, stream: bool) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    kwargs: dict[str, Any] = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=96, temperature=0,
+                                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    if stream:
+        calls: dict[int, dict[str, str]] = {}
+        finish = None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            delta = chunk.choices[0].delta
+            for tc in delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                call["name"] += tc.function.name or ""
+                call["arguments"] += tc.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        (call,) = calls.values()
+        name, arguments = call["name"], call["arguments"]
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        finish, (tool_call,) = choice.finish_reason, choice.message.tool_calls
+        name, arguments = tool_call.function.name, tool_call.function.arguments
+    assert finish == "tool_calls" and name == "get_weather"
+    jsonschema.validate(json.loads(arguments), WEATHER_PARAMS)
+
+
+def test_required_tool_calls_name_given_functions_with_valid_parameters(server: ServerProcess) -> None:
+    r = _chat(server, "What's the weather in Paris?", tools=TOOLS, tool_choice="required", temperature=0)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for call in choice["message"]["tool_calls"]:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
