@@ -91,6 +91,7 @@ class SamplingKnobs(Strict):
     ignore_eos: Annotated[bool | None, EngineParam("ignore_eos")] = None
     skip_special_tokens: Annotated[bool | None, EngineParam("skip_special_tokens")] = None
     spaces_between_special_tokens: Annotated[bool | None, EngineParam("spaces_between_special_tokens")] = None
+    logit_bias: Annotated[dict[str, float] | None, EngineParam("logit_bias", "Keys are token ids (as strings).")] = None
     json_schema: Annotated[NonEmptyText | None, EngineParam("json_schema")] = None
     regex: Annotated[NonEmptyText | None, EngineParam("regex")] = None
     ebnf: Annotated[NonEmptyText | None, EngineParam("ebnf")] = None
@@ -158,7 +159,6 @@ class SamplingFields(SamplingKnobs, GenerationBody):
     n: int = Field(1, ge=1, le=MAX_N)
     min_tokens: Annotated[int | None, EngineParam("min_new_tokens")] = None
     include_stop_str_in_output: Annotated[bool | None, EngineParam("no_stop_trim")] = None
-    logit_bias: dict[str, float] | None = None
     stream_options: StreamOptions | None = None
     user: Text | None = None
     model: Text | None = Field(None, description="Must be the served model name when given.")
@@ -167,8 +167,6 @@ class SamplingFields(SamplingKnobs, GenerationBody):
     def _check_common(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         return self
 
     def requested_model(self) -> str | None:

@@ -106,6 +106,8 @@ async def serve_generation(request: Request, body_model: type[B], plan: Planner[
     ticket = state.admit()
     try:
         planned = await plan(state, body, tokens)
+        if (request_id := request.headers.get("x-request-id")) is not None:
+            adopt_request_id(planned, request_id)
         group = GenerationGroup(
             state, planned.group_id, planned.choices, ticket, arrival=arrival,
             return_logprob=planned.return_logprob, top_logprobs_num=planned.top_logprobs_num,
@@ -115,6 +117,16 @@ async def serve_generation(request: Request, body_model: type[B], plan: Planner[
         ticket.release()
         raise
     return await _respond(request, group, planned.render(group), stream=body.stream, traces=body.return_trace)
+
+
+def adopt_request_id(planned: Plan, request_id: str) -> None:
+    """X-Request-Id (vLLM's header) names the request: the response id, and the engine
+    rid of its one choice (of choice i: `<id>-i`), for /abort_request and traces."""
+    if not 0 < len(request_id) <= 256 or not request_id.isprintable():
+        raise APIError(400, "X-Request-Id must be 1 to 256 printable characters", param="X-Request-Id")
+    planned.group_id = request_id
+    for choice in planned.choices:
+        choice.rid = request_id if len(planned.choices) == 1 else f"{request_id}-{choice.index}"
 
 
 def trace_headers(request: Request) -> tuple[tuple[str, str], ...]:
@@ -161,11 +173,13 @@ async def _respond(request: Request, group: GenerationGroup, view: View, *, stre
         group.launch()
         if stream:
             await until_disconnect(request, group.start())
-            response = SSEResponse(_stream_events(group, view, traces), on_close=lambda: group.close("client_disconnected"))
+            response: Response = SSEResponse(_stream_events(group, view, traces), on_close=lambda: group.close("client_disconnected"))
             handed_over = True
-            return response
-        await until_disconnect(request, group.run_to_end())
-        return JSONResponse(with_traces(view.final(), group) if traces else view.final())
+        else:
+            await until_disconnect(request, group.run_to_end())
+            response = JSONResponse(with_traces(view.final(), group) if traces else view.final())
+        response.headers["X-Request-Id"] = group.id
+        return response
     except ClientDisconnected:
         group.close("client_disconnected")
         log.info("client disconnected; request aborted", group=group.id)

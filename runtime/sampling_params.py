@@ -102,6 +102,7 @@ class SamplingParams:
     no_stop_trim: bool = _param(False, "Keep the matched stop string at the end of the text.")
     seed: int | None = _param(None, "RNG seed: the same seed, prompt and params give the same output.",
                               ge=0, lt=SEED_END)
+    logit_bias: dict[int, float] | None = _param(None, "Added to the logits of these token ids before sampling.", ge=-100.0, le=100.0)
     # Structured output (at most one; needs --grammar-backend xgrammar).
     json_schema: str | None = _param(None, "Constrain the output to this JSON schema (given as a JSON string).")
     regex: str | None = _param(None, "Constrain the output to match this regular expression.")
@@ -116,6 +117,8 @@ class SamplingParams:
             raise InvalidRequest(f"unknown sampling params: {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
+        if isinstance(d.get("logit_bias"), dict):  # JSON keys are strings: "50256": -100
+            d["logit_bias"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in d["logit_bias"].items()}
         p = cls(**d)
         p.validate()
         return p
@@ -174,6 +177,10 @@ def _violation(hint: object, spec: ParamSpec, value: object) -> str | None:
     if hint == list[int]:
         ok = isinstance(value, list) and all(_is_int(t) and spec.admits(t) for t in value)
         return None if ok else spec.rule("a list of integers")
+    if hint == dict[int, float] | None:
+        ok = value is None or (isinstance(value, dict) and all(
+            _is_int(k) and 0 <= k <= INT32_MAX and _is_number(v) and spec.admits(v) for k, v in value.items()))
+        return None if ok else "must map token ids to numbers " + spec.range_text()
     if hint == str | None:
         return None if value is None or (isinstance(value, str) and value) else "must be a non-empty string"
     if hint == int | None and value is None:

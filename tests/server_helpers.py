@@ -303,6 +303,7 @@ class FakeEngine:
         self.fail: str | None = None  # "invalid" | "mid_stream" | "crash"
         self.aborted: list[str] = []
         self.bootstraps: list[BootstrapInfo | None] = []  # what each engine request was given
+        self.rids: list[str] = []
         self.calls: list[SamplingParams] = []
 
     def get_server_info(self) -> dict[str, Any]:
@@ -319,6 +320,7 @@ class FakeEngine:
                               bootstrap: BootstrapInfo | None = None,
                               trace: TraceOptions | None = None) -> AsyncGenerator[GenerateOutput, None]:
         self.bootstraps.append(bootstrap)
+        self.rids.append(rid)
         return self._stream(prompt, params, rid, return_logprob, top_logprobs_num)
 
     async def _stream(self, prompt: list[int], params: SamplingParams, rid: str, return_logprob: bool,

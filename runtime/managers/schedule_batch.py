@@ -298,4 +298,5 @@ def sampling_info_of(
         resets=resets,
         # A chunk that does not end its prompt samples nothing real: no constraint there.
         grammars=[r.grammar if r is not intermediate else None for r in reqs] if any(r.grammar for r in reqs) else None,
+        logit_bias=[(i, list(sp.logit_bias), list(sp.logit_bias.values())) for i, sp in enumerate(sps) if sp.logit_bias] or None,
     )

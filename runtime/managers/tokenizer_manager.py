@@ -57,6 +57,8 @@ def make_req(
     if n + sp.max_new_tokens > limits.kv_tokens:
         raise InvalidRequest(f"prompt ({n}) + max_new_tokens ({sp.max_new_tokens}) exceeds the KV cache "
                              f"({limits.kv_tokens} tokens for one request)", param="max_tokens")
+    if sp.logit_bias and max(sp.logit_bias) >= limits.vocab_size:
+        raise InvalidRequest(f"logit_bias token ids must be in [0, {limits.vocab_size})", param="logit_bias")
     if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
         raise InvalidRequest(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
     req = Req(rid, ids, sp, limits.eos_token_ids, return_logprob or top_logprobs_num > 0, top_logprobs_num)

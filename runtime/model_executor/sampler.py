@@ -72,6 +72,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo, top_logprobs_nums: list[int]) -> SampleOutput:
         logits = logits.float()
+        for row, ids, biases in info.logit_bias or ():
+            logits[row, ids] += torch.tensor(biases, device=logits.device)
         logprobs = torch.log_softmax(logits, dim=-1) if any(k >= 0 for k in top_logprobs_nums) else None
         if info.penalized:
             if self.penalties is None:

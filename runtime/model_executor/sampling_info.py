@@ -39,5 +39,7 @@ class SamplingBatchInfo:
     min_new_tokens: torch.Tensor  # [len(penalized)] int64
     stop_ids: list[list[int]]  # tokens blocked until min_new_tokens is reached
     resets: list[PenaltyReset]
+    # (row, token ids, biases) of the rows with a logit_bias.
+    logit_bias: list[tuple[int, list[int], list[float]]] | None = None
     # Per row, the request's output constraint (None: unconstrained); None when no row has one.
     grammars: list[Grammar | None] | None = None
