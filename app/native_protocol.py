@@ -7,11 +7,12 @@ test holds the two sets equal), documented and bounded by PARAM_SPECS through
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, cast
 
 from pydantic import Field, model_validator
 
 from app.protocol import (
+    MAX_CHOICES,
     MAX_LOGPROBS,
     ChatMessage,
     EngineParam,
@@ -36,10 +37,13 @@ class SamplingParamsBody(SamplingKnobs):
 
 
 class GenerateRequest(GenerationBody):
-    text: NonEmptyText | None = None
-    input_ids: TokenIds | None = None
-    sampling_params: SamplingParamsBody | None = None
-    rid: Rid | None = None
+    """One prompt, or a batch: a list of texts or of token-id lists (then sampling_params
+    and rid may be lists too, one per prompt), answered with a list."""
+
+    text: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    sampling_params: SamplingParamsBody | list[SamplingParamsBody] | None = None
+    rid: Rid | list[Rid] | None = None
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
 
@@ -47,7 +51,24 @@ class GenerateRequest(GenerationBody):
     def _one_prompt(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("exactly one of text or input_ids is required")
+        n = len(self.prompts())
+        for name in ("sampling_params", "rid"):
+            value = getattr(self, name)
+            if isinstance(value, list) and (not self.batched or len(value) != n):
+                raise ValueError(f"a list of {name} needs a batch of as many prompts ({n})")
         return self
+
+    @property
+    def batched(self) -> bool:
+        return isinstance(self.text, list) or (isinstance(self.input_ids, list) and isinstance(self.input_ids[0], list))
+
+    def prompts(self) -> list[str | list[int]]:
+        if self.text is not None:
+            return list(self.text) if isinstance(self.text, list) else [self.text]
+        assert self.input_ids is not None
+        if self.batched:
+            return [list(p) for p in cast(list[list[int]], self.input_ids)]
+        return [list(cast(list[int], self.input_ids))]
 
 
 class TokenizeRequest(Strict):

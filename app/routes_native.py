@@ -28,38 +28,46 @@ async def generate(request: Request) -> Response:
 
 
 async def _plan(state: AppState, req: GenerateRequest, tokens: TokenizerService) -> Plan:
-    if req.text is not None:
-        ids = await tokens.encode(req.text)
-    else:
-        assert req.input_ids is not None
-        ids = list(req.input_ids)
-        tokens.check_ids(ids, "input_ids")
-    if not ids:
-        raise APIError(400, "The prompt is empty (it tokenizes to no tokens).", param="text")
-    body = req.sampling_params or SamplingParamsBody()
-    max_new = check_context(len(ids), body.max_new_tokens, state.context_len, default=DEFAULT_MAX_NEW_TOKENS)
-    rid = req.rid or uuid.uuid4().hex
+    prompts = req.prompts()
+    boots = req.bootstraps(len(prompts), 1)
+    group_id = req.rid if isinstance(req.rid, str) else uuid.uuid4().hex
+    choices = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            ids = await tokens.encode(prompt)
+        else:
+            ids = prompt
+            tokens.check_ids(ids, "input_ids")
+        if not ids:
+            raise APIError(400, "The prompt is empty (it tokenizes to no tokens).", param="text")
+        body = (req.sampling_params[i] if isinstance(req.sampling_params, list) else req.sampling_params) or SamplingParamsBody()
+        max_new = check_context(len(ids), body.max_new_tokens, state.context_len, default=DEFAULT_MAX_NEW_TOKENS)
+        rid = req.rid[i] if isinstance(req.rid, list) else group_id if not req.batched else f"{group_id}-{i}"
+        choices.append(Choice(i, rid, ids, sampling_params(body, max_new), boots[i]))
     return Plan(
-        rid, [Choice(0, rid, ids, sampling_params(body, max_new), req.bootstraps(1, 1)[0])], _NativeView,
+        group_id, choices, lambda group: _NativeView(group, req.batched),
         return_logprob=req.return_logprob or req.top_logprobs_num > 0, top_logprobs_num=req.top_logprobs_num,
     )
 
 
 class _NativeView:
-    """SGLang's native output: every event carries the whole output so far plus `delta`."""
+    """SGLang's native output: every event carries the whole output so far plus `delta`;
+    a batch answers with a list, and its stream's events carry their prompt's `index`."""
 
-    def __init__(self, group: GenerationGroup) -> None:
-        self.choice = group.choices[0]
+    def __init__(self, group: GenerationGroup, batched: bool) -> None:
         self.group = group
+        self.batched = batched
 
-    def final(self) -> Payload:
-        return dict(self.choice.cumulative())
+    def final(self) -> Payload | list[Payload]:
+        outs: list[Payload] = [dict(c.cumulative()) for c in self.group.choices]
+        return outs if self.batched else outs[0]
 
     async def stream(self) -> AsyncIterator[Payload]:
-        async for _, chunk in self.group.events():
-            whole = self.choice.cumulative()
-            yield {"text": whole["text"], "delta": chunk["text"], "output_ids": whole["output_ids"],
-                   "meta_info": whole["meta_info"]}
+        async for index, chunk in self.group.events():
+            whole = self.group.choices[index].cumulative()
+            event: Payload = {"text": whole["text"], "delta": chunk["text"], "output_ids": whole["output_ids"],
+                              "meta_info": whole["meta_info"]}
+            yield {**event, "index": index} if self.batched else event
 
 
 async def abort_request(request: Request) -> Response:

@@ -41,7 +41,7 @@ class View(Protocol):
 
     def stream(self) -> AsyncIterator[Payload]: ...
 
-    def final(self) -> Payload: ...
+    def final(self) -> Payload | list[Payload]: ...
 
 
 @dataclass(slots=True)
@@ -177,7 +177,8 @@ async def _respond(request: Request, group: GenerationGroup, view: View, *, stre
             handed_over = True
         else:
             await until_disconnect(request, group.run_to_end())
-            response = JSONResponse(with_traces(view.final(), group) if traces else view.final())
+            final = view.final()  # a list only for a batched native request, whose meta_info holds its traces
+            response = JSONResponse(with_traces(final, group) if traces and isinstance(final, dict) else final)
         response.headers["X-Request-Id"] = group.id
         return response
     except ClientDisconnected:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import orjson
 import pytest
 from server_helpers import MODEL, FakeEngine, client, engine, shared_server, state  # noqa: F401 - fixtures
 
@@ -47,3 +48,17 @@ def test_logit_bias_moves_greedy_output_on_the_real_model() -> None:
     assert forced == [42] * 6
     r = httpx.post(f"{server.base_url}/generate", timeout=30, json={"text": "x", "sampling_params": {"logit_bias": {"999999": 1}}})
     assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"]
+
+
+async def test_a_batched_generate_answers_a_list_in_prompt_order(engine: FakeEngine, client: httpx.AsyncClient) -> None:
+    body = {"text": ["ab", "xyz"], "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 3}], "rid": ["r1", "r2"]}
+    r = await client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    assert [o["text"] for o in r.json()] == ["ab", "xyz"] and [o["meta_info"]["id"] for o in r.json()] == ["r1", "r2"]
+    r = await client.post("/generate", json={"input_ids": [[97, 98], [120]], "sampling_params": {"max_new_tokens": 2}, "stream": True})
+    events = [orjson.loads(e.removeprefix(b"data: ")) for e in r.content.split(b"\n\n") if e and e != b"data: [DONE]"]
+    last = {e["index"]: e["text"] for e in events}
+    assert last == {0: "ab", 1: "x"}
+    for bad in ({"text": ["a", "b"], "rid": ["only-one"]}, {"text": "a", "sampling_params": [{}, {}]}):
+        r = await client.post("/generate", json=bad)
+        assert r.status_code == 400, (bad, r.text)
