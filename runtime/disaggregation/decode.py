@@ -27,7 +27,7 @@ from config.settings import EngineSettings
 from runtime.disaggregation.common import DisaggStats, Tasks, peer_error, transfer_backend
 from runtime.disaggregation.peer import Peer
 from runtime.disaggregation.transport import PairGroup, payload_from_bytes, scatter_kv
-from runtime.disaggregation.wire import KVLayout, PeerGone, read_frame, write_frame
+from runtime.disaggregation.wire import STREAM_LIMIT, KVLayout, PeerGone, read_frame, write_frame
 from runtime.managers.disagg_hooks import DisaggQueues
 from runtime.managers.io_struct import BootstrapInfo
 from runtime.managers.req import FinishReason, Req
@@ -173,7 +173,7 @@ class DecodeDisaggregation:
             self.scheduler.finish(res.req, reason)
 
     # ---- the KV receiver -------------------------------------------------------------------
-    def _on_kv(self, peer: Peer, header: dict[str, Any], payload: bytes | None) -> None:
+    def _on_kv(self, peer: Peer, header: dict[str, Any], payload: bytearray | None) -> None:
         room = int(header["room"])
         data: asyncio.Future[torch.Tensor] | None = None
         if peer.paired:  # post the receive now, in header order, even for a room we dropped
@@ -189,10 +189,10 @@ class DecodeDisaggregation:
         self.stats.start(room)
         self._tasks.spawn(self._receive(res, header, payload, data))
 
-    async def _receive(self, res: Reservation, header: dict[str, Any], payload: bytes | None, data: asyncio.Future[torch.Tensor] | None) -> None:
+    async def _receive(self, res: Reservation, header: dict[str, Any], payload: bytearray | None, data: asyncio.Future[torch.Tensor] | None) -> None:
         room, error = int(header["room"]), None
         try:
-            kv = await data if data is not None else payload_from_bytes(payload or b"")
+            kv = await data if data is not None else payload_from_bytes(payload or bytearray())
             await asyncio.get_running_loop().run_in_executor(self._pool, scatter_kv, self.buffers, res.slots, kv)
         except Exception as exc:  # noqa: BLE001 - any failure ends the room
             error = f"receiving the KV of bootstrap_room {room} failed: {str(exc) or type(exc).__name__}"
@@ -231,7 +231,7 @@ class DecodeDisaggregation:
     async def _connect(self, peer: Peer, host: str, port: int) -> None:
         why, reached = "closed", False
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self.timeout)
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=STREAM_LIMIT), self.timeout)
             reached = True
             peer.local_host = writer.get_extra_info("sockname")[0]
             write_frame(writer, {"op": "hello", "backend": self.backend, "layout": self.layout.to_json()})

@@ -10,7 +10,7 @@ import structlog
 import torch
 
 from runtime.disaggregation.transport import PairGroup, as_memoryview
-from runtime.disaggregation.wire import PeerGone, write_frame
+from runtime.disaggregation.wire import PeerGone, write_frame, write_payload
 
 log = structlog.get_logger("sluice.disaggregation")
 
@@ -57,8 +57,9 @@ class Peer:
         if self.closed or self.writer is None:
             raise PeerGone(f"the connection to the {self.name} is closed")
         if not self.paired:
-            write_frame(self.writer, header, as_memoryview(payload))
-            await self.writer.drain()
+            view = as_memoryview(payload)
+            write_frame(self.writer, header, view.nbytes)
+            await write_payload(self.writer, view)
             return
         await self.group_ready.wait()
         group = self.group

@@ -23,7 +23,7 @@ from config.settings import EngineSettings
 from runtime.disaggregation.common import DisaggStats, Tasks, peer_error, transfer_backend
 from runtime.disaggregation.peer import Peer
 from runtime.disaggregation.transport import PairGroup, gather_kv
-from runtime.disaggregation.wire import KVLayout, PeerGone, read_frame
+from runtime.disaggregation.wire import STREAM_LIMIT, KVLayout, PeerGone, read_frame
 from runtime.managers.disagg_hooks import DisaggQueues
 from runtime.managers.req import FinishReason, Req
 
@@ -65,7 +65,7 @@ class PrefillDisaggregation:
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         # All interfaces, as SGLang's bootstrap server: decode servers on other hosts reach it.
-        self._server = await asyncio.start_server(self._serve, host="0.0.0.0", port=self.port)
+        self._server = await asyncio.start_server(self._serve, host="0.0.0.0", port=self.port, limit=STREAM_LIMIT)
         self._tasks.spawn(self._reap())
         log.info("bootstrap server listening", port=self.port, backend=self.backend)
 
@@ -185,7 +185,7 @@ class PrefillDisaggregation:
                 self.bootstrapped.remove(req)
                 self.scheduler.finish(req, peer_error(why))
             else:
-                self.scheduler.abort(req.rid)  # waiting or running: ends at its next round
+                self.scheduler.abort(req.rid, peer_error(why))  # waiting or running: ends at its next round
         else:
             self.early.pop(room, None)
             self.failed[room] = (why, time.monotonic() + self.timeout)

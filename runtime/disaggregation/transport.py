@@ -13,7 +13,6 @@ with point-to-point send/recv, the header still going over the connection.
 from __future__ import annotations
 
 import datetime
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, cast
 
@@ -40,10 +39,10 @@ def scatter_kv(buffers: list[torch.Tensor], slots: torch.Tensor, payload: torch.
     assert offset == payload.numel(), f"payload of {payload.numel()} bytes for {offset} bytes of KV"
 
 
-def payload_from_bytes(data: bytes) -> torch.Tensor:
-    with warnings.catch_warnings():  # read-only bytes: the tensor is only read (scatter copies it)
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(data, dtype=torch.uint8)
+def payload_from_bytes(data: bytearray) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(data, dtype=torch.uint8)
 
 
 def as_memoryview(payload: torch.Tensor) -> memoryview:

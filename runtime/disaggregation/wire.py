@@ -24,6 +24,10 @@ import torch
 
 _LEN = struct.Struct(">I")
 MAX_HEADER = 1 << 20
+# StreamReader buffer limit of a bootstrap connection. asyncio's default (64 KiB) pauses
+# the socket every 128 KiB: a 45 MiB KV payload then crawls at a tenth of a plain
+# socket copy (bench/RESULTS.md, kv-transfer).
+STREAM_LIMIT = 1 << 26
 
 
 class PeerGone(ConnectionError):
@@ -74,7 +78,7 @@ def _prod(shape: tuple[int, ...]) -> int:
     return n
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes | None]:
+async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytearray | None]:
     """One header, and its payload if it announces one. Raises PeerGone at EOF."""
     try:
         (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
@@ -82,7 +86,7 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], byte
             raise PeerGone(f"header of {n} bytes")
         header = orjson.loads(await reader.readexactly(n))
         nbytes = header.get("nbytes")
-        payload = await reader.readexactly(int(nbytes)) if nbytes is not None and header.get("inline") else None
+        payload = await _read_payload(reader, int(nbytes)) if nbytes is not None and header.get("inline") else None
     except (asyncio.IncompleteReadError, ConnectionError, orjson.JSONDecodeError) as exc:
         raise PeerGone(str(exc) or type(exc).__name__) from exc
     if not isinstance(header, dict) or "op" not in header:
@@ -90,11 +94,31 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], byte
     return header, payload
 
 
-def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], payload: memoryview | None = None) -> None:
-    """Queue one frame on `writer` (the caller drains). A payload is sent inline."""
-    if payload is not None:
-        header = {**header, "nbytes": payload.nbytes, "inline": True}
+CHUNK = 1 << 22  # a large payload moves in pieces: no whole-payload copies in asyncio's buffers
+
+
+async def _read_payload(reader: asyncio.StreamReader, nbytes: int) -> bytearray:
+    buf = bytearray(nbytes)
+    view, got = memoryview(buf), 0
+    while got < nbytes:
+        chunk = await reader.read(min(nbytes - got, CHUNK))
+        if not chunk:
+            raise asyncio.IncompleteReadError(bytes(view[:got]), nbytes)
+        view[got : got + len(chunk)] = chunk
+        got += len(chunk)
+    return buf
+
+
+def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], payload_nbytes: int | None = None) -> None:
+    """Queue one frame's header on `writer`; with `payload_nbytes`, the caller writes
+    that many payload bytes next (write_payload)."""
+    if payload_nbytes is not None:
+        header = {**header, "nbytes": payload_nbytes, "inline": True}
     data = orjson.dumps(header)
     writer.write(_LEN.pack(len(data)) + data)
-    if payload is not None:
-        writer.write(payload)
+
+
+async def write_payload(writer: asyncio.StreamWriter, payload: memoryview) -> None:
+    for start in range(0, payload.nbytes, CHUNK):
+        writer.write(payload[start : start + CHUNK])
+        await writer.drain()

@@ -87,6 +87,7 @@ class Req:
         self.cached_tokens = 0  # prompt tokens that came from the radix cache (first prefill)
         self.has_prefilled = False
         self.to_abort = False
+        self.abort_reason: FinishReason | None = None  # set when the server ends it (else the client did)
         self.finished_reason: FinishReason | None = None
         self.generator: torch.Generator | None = None
 

@@ -93,21 +93,22 @@ class Scheduler:
     def wake(self) -> None:
         self._wake.set()
 
-    def abort(self, rid: str | None = None) -> None:
+    def abort(self, rid: str | None = None, reason: FinishReason | None = None) -> None:
         """Abort one request (or all with rid=None). Waiting ones end now; running
-        ones end at their next result, which frees their KV."""
+        ones end at their next result, which frees their KV. `reason`: why, when the
+        server (not the client) ends it."""
         targets = list(self.reqs_by_rid.values()) if rid is None else [self.reqs_by_rid.get(rid)]
         for req in targets:
             if req is None or req.finished():
                 continue
-            req.to_abort = True
+            req.to_abort, req.abort_reason = True, reason
             if self.disagg is not None and self.disagg.abort(req):
                 continue
             if self.grammars is not None and self.grammars.abort(req):
                 continue
             if req in self.waiting_queue:
                 self.waiting_queue.remove(req)
-                self.finish(req, aborted())
+                self.finish(req, req.abort_reason or aborted())
         self._wake.set()
 
     def finish(self, req: Req, reason: FinishReason, kv_len: int = 0) -> None:
@@ -235,7 +236,7 @@ class Scheduler:
         if chunked is not None:
             if chunked.to_abort:
                 self.prefill.chunked_req = None
-                self.finish(chunked, aborted(), kv_len=len(chunked.fill_ids))
+                self.finish(chunked, chunked.abort_reason or aborted(), kv_len=len(chunked.fill_ids))
             else:
                 self.tree_cache.cache_unfinished_req(chunked)
 
@@ -328,7 +329,7 @@ class Scheduler:
                 continue
             reason: FinishReason | None
             if req.to_abort:
-                reason = aborted()
+                reason = req.abort_reason or aborted()
             else:  # max_new_tokens >= 1 (SamplingParams): every forward yields one token
                 num_tokens += 1
                 req.output_ids.append(result.next_token_ids[i])
