@@ -27,6 +27,8 @@ TOOLS: dict[str, tuple[str, str]] = {
     "scheduler-overhead": ("bench.scheduler_overhead", "The real Scheduler with a stub forward: CPU time per round."),
     "chunked-itl": ("bench.chunked_itl", "Inter-token latency of running streams while a long prompt arrives."),
     "decode-attention": ("bench.decode_attention", "One decode step's attention: CPU kernel (fp32/bf16 KV) vs torch."),
+    "decode-step": ("bench.decode_step", "One decode step's forward: eager torch vs fused C++ kernels vs torch.compile."),
+    "deterministic": ("bench.deterministic", "Temperature-0 completions alone vs in 5 batch compositions: how many differ."),
 }
 
 

@@ -43,10 +43,11 @@ class EngineSettings:
         "auto", "KV cache dtype. auto = the model dtype. bfloat16 under a float32 model halves KV "
         "memory and the KV read of every decode step, at a small accuracy cost."
     )
-    quantization: Literal["none", "int8", "int4", "gguf"] = knob(
-        "none", "Weight-only quantization of the linear layers (CPU only). int8: per output channel and "
+    quantization: Literal["auto", "none", "int8", "int4", "gguf"] = knob(
+        "auto", "Weight-only quantization of the linear layers (CPU only). int8: per output channel and "
         "int4: groups of 32, packed at load from the float weights; gguf: keep a GGUF file's own "
-        "Q4_0/Q4_1/Q8_0 blocks, loaded straight into packed form. Embedding and LM head stay float."
+        "Q4_0/Q4_1/Q8_0 blocks, loaded straight into packed form (with dtype auto: float32 activations). "
+        "auto = gguf for a GGUF model on CPU at tp_size 1, else none. Embedding and LM head stay float."
     )
     device: Literal["auto", "cpu", "cuda"] = knob("auto", "Where the model runs. auto = cuda if available.")
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = knob(
@@ -76,6 +77,10 @@ class EngineSettings:
     )
     enable_mixed_chunk: bool = knob(False, "Let running decodes ride in prefill batches (ForwardMode.MIXED).")
     disable_overlap_schedule: bool = knob(False, "Run each forward inline instead of overlapping with scheduling.")
+    enable_deterministic_inference: bool = knob(
+        False, "Temperature-0 output independent of batch composition: batch-invariant linear, attention and "
+        "sampling reductions (same reduction order for a row whatever the batch)."
+    )
     # --- structured output ---
     grammar_backend: Literal["xgrammar", "none"] = knob(
         "xgrammar", "Constrained decoding for response_format / json_schema / regex / ebnf / forced tool calls. "

@@ -111,7 +111,9 @@ def assert_all_memory_free(engine: Any) -> None:
     assert info["req_pool_free_rows"] == info["req_pool_size"], info
 
 
-ENGINE_DEFAULTS: dict[str, Any] = dict(dtype="float32", max_total_tokens=8192, max_running_requests=32)
+# float32, unquantized: the engines these tests build are compared with HF float32
+# (quantization=auto would load the embedded GGUF's own Q4_1 blocks).
+ENGINE_DEFAULTS: dict[str, Any] = dict(dtype="float32", quantization="none", max_total_tokens=8192, max_running_requests=32)
 
 
 def _engine_factory() -> Iterator[Callable[..., Any]]:
@@ -186,6 +188,7 @@ SLOW_TESTS = frozenset(
         "tests/test_bench_tp.py::test_all_reduce_bench_reports_latencies_and_the_collective_share",  # spawns TP ranks
         "tests/test_models.py::test_gguf_q_k_rows_are_unpermuted_to_hf_layout",  # reads the real GGUF
         "tests/test_gguf_smollm2.py",  # --quantization gguf on the real GGUF
+        "tests/test_cpu_default_mode.py",  # quantization=auto on the real GGUF
     }
 )
 

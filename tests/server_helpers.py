@@ -36,7 +36,7 @@ from runtime.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
-BASE_FLAGS = ("--dtype", "float32", "--max-total-tokens", "4096")
+BASE_FLAGS = ("--dtype", "float32", "--quantization", "none", "--max-total-tokens", "4096")  # HF float32 numerics
 STARTUP_TIMEOUT = 180.0  # the first start may convert the default GGUF
 
 T = TypeVar("T")

@@ -24,7 +24,7 @@ def client(server: ServerProcess) -> openai.OpenAI:
 def offline_engine() -> Iterator[Any]:
     from runtime import Engine
 
-    engine = Engine(dtype="float32", max_total_tokens=4096)
+    engine = Engine(dtype="float32", quantization="none", max_total_tokens=4096)
     yield engine
     engine.shutdown()
 

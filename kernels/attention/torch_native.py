@@ -1,8 +1,16 @@
 """Torch-native attention over the paged KV pool: the CPU path and the reference.
 
 Requests extending by one token (decodes, and the decode part of a MIXED batch)
-run as one padded SDPA call per layer; longer extends run one SDPA call each,
-causal with their cached prefix in front.
+run as one padded SDPA call per layer (on CPU: the compiled paged kernel, reading
+the KV in place); longer extends run one SDPA call each, causal with their cached
+prefix in front.
+
+Deterministic mode (`--enable-deterministic-inference`) sends every token, decode or
+extend, through the compiled kernel's per-query path instead: a token's attention
+is then one fixed-order computation over its own KV rows, identical whether the
+token is decoded, prefilled whole, prefilled in chunks after a cached prefix, or
+batched with anything (kernels/cpu/paged_decode.cpp). SDPA's flash kernel tiles
+queries and keys by the sequence lengths, so its rows are not.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from kernels.attention.base import AttentionBatch
+    from kernels.cpu import CpuOps
 
 
 @dataclass(slots=True)
@@ -26,6 +35,15 @@ class _DecodePlan:
 
 
 @dataclass(slots=True)
+class _PerQueryPlan:
+    """Every token through the kernel's per-query path (deterministic mode)."""
+
+    kv_idx: torch.Tensor  # [bs, max_len] KV slots of each request (only [:lens] read)
+    token_req: torch.Tensor  # [T] request of each packed token
+    lens: torch.Tensor  # [T] positions token t attends: its prefix and itself
+
+
+@dataclass(slots=True)
 class _ExtendItem:
     start: int  # first packed token
     length: int  # new tokens
@@ -34,17 +52,34 @@ class _ExtendItem:
 
 
 class TorchNativeBackend:
-    def __init__(self, use_cpu_kernel: bool = False) -> None:
+    def __init__(self, use_cpu_kernel: bool = False, deterministic: bool = False) -> None:
         # The compiled CPU kernel reads KV in place; the torch path gathers it.
-        self._paged_decode = None
-        if use_cpu_kernel:
-            from kernels.cpu import load_paged_decode
+        self._ops: CpuOps | None = None
+        if use_cpu_kernel or deterministic:
+            from kernels.cpu import load_cpu_ops
 
-            self._paged_decode = load_paged_decode()
+            self._ops = load_cpu_ops()
+        if deterministic and self._ops is None:
+            raise RuntimeError("deterministic inference needs the compiled CPU kernels (a C++ compiler and ninja)")
+        self.deterministic = deterministic
+        self._per_query: _PerQueryPlan | None = None
+        self._all_decode = False
         self._decode: _DecodePlan | None = None
         self._extends: list[_ExtendItem] = []
 
+    def _plan_per_query(self, fb: AttentionBatch) -> None:
+        device = fb.input_ids.device
+        prefix, ext = fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu
+        kv_idx = fb.req_to_token[fb.req_pool_indices, : max(fb.seq_lens_cpu)].to(torch.int64)
+        token_req = torch.repeat_interleave(torch.arange(len(ext), device=device), torch.tensor(ext, device=device))
+        lens = torch.tensor([p + j + 1 for p, n in zip(prefix, ext) for j in range(n)], dtype=torch.int64, device=device)
+        self._per_query = _PerQueryPlan(kv_idx, token_req, lens)
+
     def init_forward_metadata(self, fb: AttentionBatch) -> None:
+        self._per_query, self._decode, self._extends, self._all_decode = None, None, [], False
+        if self.deterministic:
+            self._plan_per_query(fb)
+            return
         rows = fb.req_pool_indices
         starts = [0]
         for n in fb.extend_seq_lens_cpu:
@@ -52,8 +87,8 @@ class TorchNativeBackend:
         one = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n == 1]
         many = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n > 1]
         device = fb.input_ids.device
+        self._all_decode = fb.forward_mode.is_decode()
 
-        self._decode = None
         if one:
             sel = torch.tensor(one, dtype=torch.int64, device=device)
             lens = fb.seq_lens[sel]
@@ -64,7 +99,6 @@ class TorchNativeBackend:
             token_idx = torch.tensor([starts[i] for i in one], dtype=torch.int64, device=device)
             self._decode = _DecodePlan(token_idx, kv_idx, mask[:, None, None, :], lens)
 
-        self._extends = []
         for i in many:
             prefix, length = fb.extend_prefix_lens_cpu[i], fb.extend_seq_lens_cpu[i]
             kv_idx = fb.req_to_token[rows[i], : prefix + length].to(torch.int64)
@@ -77,8 +111,17 @@ class TorchNativeBackend:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float, fb: AttentionBatch
     ) -> torch.Tensor:
-        fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        ops = self._ops if q.device.type == "cpu" else None
         k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
+        if ops is not None:  # KVPool.set_kv's write, as one pass instead of two index_put calls
+            ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+        else:
+            fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        pq, plan = self._per_query, self._decode
+        if ops is not None and pq is not None:
+            return ops.paged_attention(q, k_buf, v_buf, pq.kv_idx, pq.token_req, pq.lens, scaling)
+        if ops is not None and plan is not None and self._all_decode:  # each token is its request's one
+            return ops.paged_decode(q, k_buf, v_buf, plan.kv_idx, plan.lens, scaling)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
 
@@ -93,9 +136,8 @@ class TorchNativeBackend:
             )
             out[item.start : item.start + item.length] = oi[0].transpose(0, 1)
 
-        plan = self._decode
-        if plan is not None and self._paged_decode is not None and q.device.type == "cpu":
-            out[plan.token_idx] = self._paged_decode(q[plan.token_idx], k_buf, v_buf, plan.kv_idx, plan.lens, scaling)
+        if ops is not None and plan is not None:
+            out[plan.token_idx] = ops.paged_decode(q[plan.token_idx], k_buf, v_buf, plan.kv_idx, plan.lens, scaling)
         elif plan is not None:
             qd = q[plan.token_idx][:, :, None, :]  # [n, Hq, 1, D]
             kd = k_buf[plan.kv_idx].transpose(1, 2).to(q.dtype)  # [n, Hkv, S, D]

@@ -1,9 +1,18 @@
 """Compiled CPU kernels, built once per machine with torch's C++ extension loader.
 
-Pure torch cannot read paged KV in place: decode attention had to gather every
-request's KV (a read, a write and a re-read of all of it). The C++ kernel reads
-each K/V row once. Building needs a C++ compiler and ninja; where either is
-missing, callers fall back to the torch path.
+One extension, `sluice_cpu_ops`, from every .cpp in this directory:
+
+  paged_decode.cpp  decode attention read in place from the KV pool (the fast path)
+  paged_attention.cpp  every token's attention in one per-query order, decode and
+                    extend alike (deterministic inference)
+  fused_ops.cpp     RMSNorm (+ residual add), RoPE in place, SiLU·mul, the KV write:
+                    a decoder layer's row-wise ops in one pass each
+  q8_linear.cpp     float32 x int8-block matmul (the GGUF's Q8_0 LM head)
+
+Pure torch cannot read paged KV in place (decode attention had to gather every
+request's KV), and a small model's decode step is mostly the dispatch of small
+row-wise ops. Building needs a C++ compiler and ninja; where either is missing,
+callers fall back to the torch path.
 """
 
 from __future__ import annotations
@@ -12,13 +21,39 @@ import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol, cast
 
 import structlog
 import torch
 
 log = structlog.get_logger("sluice.kernels")
-_SOURCE = Path(__file__).with_name("paged_decode.cpp")
-_loaded: dict[str, Callable[..., torch.Tensor] | None] = {}
+_SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+_loaded: dict[str, CpuOps | None] = {}
+
+
+class CpuOps(Protocol):
+    """The extension's functions (kernels/cpu/bindings.cpp)."""
+
+    def paged_attention(
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_idx: torch.Tensor,
+        token_req: torch.Tensor, lens: torch.Tensor, scale: float,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+    def paged_decode(
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_idx: torch.Tensor, lens: torch.Tensor, scale: float
+    ) -> torch.Tensor: ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def rotary_(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, heads: int, head_dim: int) -> None: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def store_kv(self, k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def q8_linear(self, x: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> torch.Tensor: ...
 
 
 def _cpu_flags() -> bytes:
@@ -35,18 +70,24 @@ def _cpu_flags() -> bytes:
     return f"{platform.machine()} {platform.processor()}".encode()
 
 
+# -mprefer-vector-width=512: GCC's -march=native on Intel server cores auto-vectorizes
+# with 256-bit registers (a down-clocking hedge); these kernels' loops want all 16 lanes.
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
+
+
 def _build_dir() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice" / "kernels"
-    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags()).hexdigest()[:16]
-    path = base / f"paged_decode-{digest}"
+    sources = b"".join(p.name.encode() + p.read_bytes() for p in _SOURCES)
+    digest = hashlib.sha256(sources + " ".join(CFLAGS).encode() + torch.__version__.encode() + _cpu_flags()).hexdigest()[:16]
+    path = base / f"cpu_ops-{digest}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def load_paged_decode() -> Callable[..., torch.Tensor] | None:
-    """`paged_decode(q, k_buf, v_buf, kv_idx, lens, scale) -> out`, or None."""
-    if "paged_decode" not in _loaded:
-        _loaded["paged_decode"] = None
+def load_cpu_ops() -> CpuOps | None:
+    """The compiled extension, built on first use (then cached per CPU), or None."""
+    if "ops" not in _loaded:
+        _loaded["ops"] = None
         try:
             from torch.utils.cpp_extension import is_ninja_available, load
 
@@ -54,16 +95,22 @@ def load_paged_decode() -> Callable[..., torch.Tensor] | None:
                 raise RuntimeError("ninja is not installed")
             build_dir = _build_dir()
             if not any(build_dir.glob("*.so")):
-                log.info("building the CPU paged-decode kernel (once per machine and CPU)...")
+                log.info("building the CPU kernels (once per machine and CPU)...")
             module = load(
-                name="sluice_paged_decode",
-                sources=[str(_SOURCE)],
+                name="sluice_cpu_ops",
+                sources=[str(p) for p in _SOURCES],
                 build_directory=str(build_dir),
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_cflags=CFLAGS,
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
-            _loaded["paged_decode"] = module.paged_decode
+            _loaded["ops"] = cast(CpuOps, module)
         except Exception as exc:  # no compiler, no ninja, build error: use torch
-            log.warning("CPU paged-decode kernel unavailable; using torch gather + SDPA", error=str(exc))
-    return _loaded["paged_decode"]
+            log.warning("CPU kernels unavailable; using the torch paths", error=str(exc))
+    return _loaded["ops"]
+
+
+def load_paged_decode() -> Callable[..., torch.Tensor] | None:
+    """`paged_decode(q, k_buf, v_buf, kv_idx, lens, scale) -> out`, or None."""
+    ops = load_cpu_ops()
+    return None if ops is None else ops.paged_decode

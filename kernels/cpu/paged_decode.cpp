@@ -10,7 +10,11 @@
 // One work item is one sequence, all heads: a slot's K (then V) row, Hkv*D
 // contiguous values, is read once and in full, so consecutive slots stream
 // through memory instead of being visited head by head at a stride.
-#include <torch/extension.h>
+//
+// The fastest decode; its sums are not the per-query order of paged_attention.cpp,
+// which deterministic inference uses for decodes too (a token decoded here and the
+// same token recomputed by an extend would differ in the last bits).
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <limits>
@@ -115,8 +119,4 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Te
     });
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
 }

@@ -17,13 +17,14 @@ gguf's, whose `load_weight` keeps the checkpoint's own blocks).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from runtime.distributed.parallel_state import divide, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from runtime.layers.batch_invariant import in_fixed_row_blocks
 from runtime.layers.weights import LazyWeight, ShardId, copy_into, set_weight_attrs
 
 
@@ -39,6 +40,10 @@ def kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> int:
 
 
 class LinearMethod(Protocol):
+    # True when the kernel computes each output row by itself, in an order that does not
+    # depend on M (runtime/layers/batch_invariant.py): then it needs no fixed row blocks.
+    row_invariant: ClassVar[bool]
+
     def create_weights(self, layer: LinearBase, input_size_per_partition: int, output_size_per_partition: int) -> None:
         """Register the layer's weight parameter(s)."""
 
@@ -54,6 +59,8 @@ class LinearMethod(Protocol):
 
 class UnquantizedLinearMethod:
     """`weight: [out_per_partition, in_per_partition]` in the model dtype; `y = x @ weight.T + bias`."""
+
+    row_invariant: ClassVar[bool] = False  # BLAS/oneDNN choose their kernel by M
 
     def create_weights(self, layer: LinearBase, input_size_per_partition: int, output_size_per_partition: int) -> None:
         layer.weight = nn.Parameter(torch.empty(output_size_per_partition, input_size_per_partition), requires_grad=False)
@@ -102,12 +109,18 @@ class LinearBase(nn.Module):
         self.quant_method: LinearMethod = quant_method or UnquantizedLinearMethod()
         self.quant_method.create_weights(self, input_size_per_partition, self.output_size_per_partition)
         self.bias = nn.Parameter(torch.empty(self.output_size_per_partition), requires_grad=False) if bias else None
+        self.batch_invariant = False  # deterministic inference: rows independent of the batch
         for param in self.parameters(recurse=False):
             shapes = {s.shard_id: (s.full_size, input_size)[: param.dim()] for s in output_shards}
             set_weight_attrs(param, self.weight_loader, shapes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.batch_invariant and not self.quant_method.row_invariant:
+            return in_fixed_row_blocks(lambda rows: self.quant_method.apply(self, rows, bias), x)
+        return self.quant_method.apply(self, x, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: LazyWeight, shard_id: ShardId = None) -> None:
         if shard_id not in self.output_shards:
@@ -194,6 +207,6 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias)
-        out = tensor_model_parallel_all_reduce(self.quant_method.apply(self, x, None))
+            return self.matmul(x, self.bias)
+        out = tensor_model_parallel_all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias

@@ -2,24 +2,42 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from runtime.distributed.parallel_state import tensor_model_parallel_all_gather
+from runtime.layers.batch_invariant import batch_invariant_linear
 from runtime.layers.vocab_embedding import VocabParallelEmbedding
+
+if TYPE_CHECKING:
+    from kernels.cpu import CpuOps
+    from runtime.layers.quantization.q8 import Q8Weight
 
 
 class LogitsProcessor(nn.Module):
     def __init__(self, vocab_size: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        # Set by runtime.models.cpu_path: the head as exact Q8 blocks and the kernel that
+        # reads them (per-row order, so batch-invariant too); or fixed row blocks.
+        self.ops: CpuOps | None = None
+        self.q8: Q8Weight | None = None
+        self.batch_invariant = False
 
     def forward(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding) -> torch.Tensor:
         """`[T, hidden]` -> `[T, vocab]` float32. Each rank computes its vocab shard's
         logits; the all-gather concatenates them in rank order (= vocab order), so every
         rank, rank 0's sampler included, sees the whole row. Padding columns are cut."""
-        logits = tensor_model_parallel_all_gather(F.linear(hidden, lm_head.weight), dim=-1)
+        if self.ops is not None and self.q8 is not None:
+            local = self.ops.q8_linear(hidden.float(), self.q8.qw, self.q8.scales)
+        elif self.batch_invariant:
+            local = batch_invariant_linear(hidden, lm_head.weight)
+        else:
+            local = F.linear(hidden, lm_head.weight)
+        logits = tensor_model_parallel_all_gather(local, dim=-1)
         if logits.shape[-1] != self.vocab_size:
             logits = logits[..., : self.vocab_size].contiguous()
         return logits.float()

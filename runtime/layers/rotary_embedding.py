@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -47,6 +47,15 @@ def rope_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     raise NotImplementedError(f"rope_type={kind!r} is not supported (default, linear, llama3 are)")
 
 
+class RopeInputs(NamedTuple):
+    """What every layer's rotation reads, computed once per forward."""
+
+    positions: torch.Tensor  # [T] int64
+    cos: torch.Tensor  # [T, 1, head_dim // 2] float32
+    sin: torch.Tensor  # [T, 1, head_dim // 2] float32
+    cos_sin_cache: torch.Tensor  # [max_positions, head_dim] float32, for the CPU kernel's in-place rotation
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE (the HF Llama/Qwen layout: pairs are (i, i + head_dim/2)).
 
@@ -54,6 +63,8 @@ class RotaryEmbedding(nn.Module):
     head_dim]`, built on whatever device is current. It stays float32: never cast
     the model with `.to(dtype)`; build it in the target dtype instead.
     """
+
+    cos_sin_cache: torch.Tensor
 
     def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any]) -> None:
         super().__init__()
@@ -64,11 +75,10 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the batch's positions: float32 `[T, 1, head_dim // 2]` each,
-        computed once per forward and shared by every layer."""
+    def forward(self, positions: torch.Tensor) -> RopeInputs:
+        """cos, sin for the batch's positions, computed once per forward and shared by every layer."""
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
+        return RopeInputs(positions, cos, sin, self.cos_sin_cache)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import structlog
 import torch
 
 from kernels.attention.base import AttentionBackend
@@ -28,10 +29,14 @@ from runtime.model_executor.future_map import FutureMap
 from runtime.mem.kv_pool import KVPool
 from runtime.model_executor.sampler import SampleOutput, Sampler
 from runtime.model_executor.worker import BatchResult, ForwardInputs, ModelWorkerBatch, write_req_to_token
+from runtime.models.cpu_path import bind_cpu_ops, make_batch_invariant
 
 if TYPE_CHECKING:
+    from kernels.cpu import CpuOps
     from runtime.model_executor.cuda_graph_runner import CudaGraphRunner
     from runtime.model_executor.tp_channel import BatchChannel
+
+log = structlog.get_logger("sluice.engine")
 
 
 class ModelRunner:
@@ -44,7 +49,16 @@ class ModelRunner:
         context_len: int,
         vocab_size: int,
         device: torch.device | str,
+        cpu_ops: CpuOps | None = None,
+        deterministic: bool = False,
     ) -> None:
+        """`cpu_ops`: the compiled CPU kernels, bound into the model's layers (fused norm,
+        RoPE, SiLU·mul, Q8 LM head). `deterministic`: every row of every matmul
+        independent of the batch (the attention backend must be built deterministic too)."""
+        if cpu_ops is not None:
+            log.info("CPU kernels bound into the model", layers=bind_cpu_ops(model, cpu_ops))
+        if deterministic:
+            make_batch_invariant(model)
         self.model = model
         self.kv_pool = kv_pool
         self.attn_backend = attn_backend

@@ -1,17 +1,24 @@
-"""Resolve the settings' auto knobs for a model on a device: KV pool size, request
-rows, chunk size, attention backend, CUDA-graph batch sizes."""
+"""Resolve the settings' auto knobs for a model on a device: the CPU mode (weight
+quantization, dtype, threads), KV pool size, request rows, chunk size, attention
+backend, CUDA-graph batch sizes."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
+import structlog
 import torch
 
 from config.settings import EngineSettings, SettingsError
+from runtime.layers.quantization import QuantizationName
 from runtime.mem.kv_pool import KVPool
 from runtime.model_config import ModelConfig
 from runtime.model_executor.gpu_defaults import default_cuda_graph_max_bs, default_max_running_requests, gpu_memory_defaults, kv_pool_tokens
+from runtime.model_executor.model_loader import gguf_source, resolve_dtype
+
+log = structlog.get_logger("sluice.engine")
 
 CPU_KV_BUDGET_BYTES = 4 << 30  # default KV budget on CPU: min(this, a quarter of RAM)
 
@@ -22,6 +29,47 @@ def resolve_device(setting: str) -> str:
     if setting == "cuda" and not torch.cuda.is_available():
         raise SettingsError("device=cuda but no CUDA device is available")
     return setting
+
+
+def resolve_quantization_and_dtype(
+    settings: EngineSettings, device: str, model_dir: Path
+) -> tuple[EngineSettings, QuantizationName, torch.dtype]:
+    """`quantization=auto` and `dtype=auto` for this model on this device, logged with why.
+
+    On CPU, in one process, a GGUF model runs its linear layers from the file's own
+    Q4/Q8 blocks (gguf): the fastest decode that keeps >= 99% top-1 agreement with the
+    float32 model (bench items 11, 16), and with it float32 for everything else
+    (residual stream, attention, KV, the LM head as exact Q8 blocks): bfloat16 there
+    drops agreement to 98.2% (item 11). Anything else (an HF directory, dummy weights,
+    CUDA, tensor parallelism, where gguf was neither measured nor is faster) runs
+    unquantized in the dtype `resolve_dtype` picks from the CPU's flags or the GPU.
+    """
+    setting = settings.quantization
+    quant: QuantizationName
+    if setting == "auto":
+        gguf_file = settings.load_format != "dummy" and gguf_source(model_dir) is not None
+        gguf = device == "cpu" and settings.tp_size == 1 and gguf_file
+        quant = "gguf" if gguf else "none"
+        reason = "a GGUF model on CPU: its own blocks" if gguf else "not a GGUF model on CPU at tp_size 1"
+    else:
+        quant, reason = setting, "set explicitly"
+    if settings.dtype == "auto" and quant == "gguf":
+        dtype = torch.float32
+        log.info("dtype auto resolved", dtype="float32", reason="quantization=gguf keeps a float32 residual stream (99% top-1 bar)")
+    else:
+        dtype = resolve_dtype(settings.dtype, device)
+    log.info("quantization resolved", quantization=quant, setting=setting, reason=reason)
+    return dataclasses.replace(settings, quantization=quant), quant, dtype
+
+
+def resolve_cpu_threads(setting: int | None, ranks_per_node: int) -> int:
+    """torch intra-op threads: the setting, else the cores this process may run on (its
+    affinity mask, which taskset, numactl or a container's cpuset narrow; os.cpu_count()
+    would count the whole machine), split between the node's tensor-parallel ranks."""
+    if setting:
+        return setting
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // ranks_per_node)
 
 
 def _cpu_ram_bytes() -> int:

@@ -9,7 +9,6 @@ scheduler hands out slots and rows that every rank's pool must hold.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,14 +18,15 @@ import torch
 
 from config.settings import EngineSettings, SettingsError
 from kernels.attention import create_attention_backend
+from kernels.cpu import load_cpu_ops
 from runtime.distributed.parallel_state import get_tp_size, init_tensor_parallel
 from runtime.layers.linear import kv_heads_per_rank
 from runtime.mem.kv_pool import KVPool
 from runtime.mem.pools import MemoryPools
 from runtime.model_config import ModelConfig
-from runtime.model_executor.model_loader import load_model, prepare_model_dir, resolve_dtype
+from runtime.model_executor.model_loader import load_model, prepare_model_dir
 from runtime.model_executor.model_runner import ModelRunner
-from runtime.model_executor.resolve import resolve_device, resolve_settings
+from runtime.model_executor.resolve import resolve_cpu_threads, resolve_device, resolve_quantization_and_dtype, resolve_settings
 
 log = structlog.get_logger("sluice.engine")
 
@@ -62,7 +62,7 @@ def _agree_min(settings: EngineSettings, device: torch.device) -> EngineSettings
 
 def build_shard(settings: EngineSettings, rank: int, init_method: str | None) -> Shard:
     device = resolve_device(settings.device)
-    if settings.quantization != "none" and device != "cpu":  # the kernels are torch's CPU ones
+    if settings.quantization not in ("auto", "none") and device != "cpu":  # the kernels are torch's CPU ones
         raise SettingsError(f"quantization={settings.quantization} runs on CPU only (device={device})")
     tp = settings.tp_size
     per_node = tp // settings.nnodes
@@ -71,24 +71,29 @@ def build_shard(settings: EngineSettings, rank: int, init_method: str | None) ->
         assert init_method is not None
         init_tensor_parallel(rank, tp, init_method, dev, settings.dist_timeout)
     if device == "cpu":
-        threads = settings.num_threads or (max(1, (os.cpu_count() or 1) // per_node) if tp > 1 else None)
-        if threads:
-            torch.set_num_threads(threads)
-    dtype = resolve_dtype(settings.dtype, device)
+        torch.set_num_threads(resolve_cpu_threads(settings.num_threads, per_node))
+    deterministic = settings.enable_deterministic_inference
+    if deterministic and (device != "cpu" or settings.disable_cpu_kernels):
+        raise SettingsError("enable_deterministic_inference runs on CPU with the compiled kernels (not disable_cpu_kernels)")
     model_dir = prepare_model_dir(settings.model_path, settings.load_format)
+    settings, quantization, dtype = resolve_quantization_and_dtype(settings, device, model_dir)
     config = ModelConfig.from_pretrained(model_dir, dtype, settings.context_length, settings.kv_cache_dtype)
     kv_heads = kv_heads_per_rank(config.num_kv_heads, tp)
-    model = load_model(model_dir, config, settings.load_format, str(dev), settings.random_seed, settings.quantization)
+    model = load_model(model_dir, config, settings.load_format, str(dev), settings.random_seed, quantization)
     settings = _agree_min(resolve_settings(settings, device, config, kv_heads), dev)
     assert settings.max_total_tokens and settings.max_running_requests
     kv_pool = KVPool(settings.max_total_tokens + settings.page_size, config.num_layers, kv_heads, config.head_dim, config.kv_dtype, dev)
+    use_kernels = device == "cpu" and not settings.disable_cpu_kernels
     backend = create_attention_backend(
-        settings.attention_backend, device, use_cpu_kernel=not settings.disable_cpu_kernels,
+        settings.attention_backend, device, use_cpu_kernel=use_kernels, deterministic=deterministic,
         num_qo_heads=config.num_heads // tp, num_kv_heads=kv_heads, head_dim=config.head_dim,
         page_size=settings.page_size, dtype=dtype, kv_dtype=config.kv_dtype,
     )  # fmt: skip
     rows = MemoryPools.rows_for(settings.max_running_requests)
-    runner = ModelRunner(model, kv_pool, backend, rows, config.context_len, config.vocab_size, dev)
+    cpu_ops = load_cpu_ops() if use_kernels else None
+    runner = ModelRunner(
+        model, kv_pool, backend, rows, config.context_len, config.vocab_size, dev, cpu_ops=cpu_ops, deterministic=deterministic
+    )
     graphs = device == "cuda" and settings.attention_backend == "flashinfer" and not settings.disable_cuda_graph
     if graphs and settings.cuda_graph_max_bs and tp == 1:  # graphs around collectives: not yet
         from runtime.model_executor.cuda_graph_runner import CudaGraphRunner

@@ -24,11 +24,12 @@ from runtime.layers.attention import RadixAttention
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import QKVParallelLinear, RowParallelLinear
 from runtime.layers.logits_processor import LogitsProcessor
-from runtime.layers.rotary_embedding import RotaryEmbedding, apply_rotary, rope_parameters
+from runtime.layers.rotary_embedding import RopeInputs, RotaryEmbedding, apply_rotary, rope_parameters
 from runtime.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.weights import LazyWeight, Shape, ShardId, checkpoint_shapes_of, weight_loader_of
 
 if TYPE_CHECKING:
+    from kernels.cpu import CpuOps
     from runtime.model_config import ModelConfig
 
 # checkpoint projection -> (fused module, shard id)
@@ -58,16 +59,23 @@ class LlamaAttention(nn.Module):
         # Qwen3: per-head RMSNorm on q and k before rope (per head, so local to each rank).
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.ops: CpuOps | None = None  # set by runtime.models.cpu_path.bind_cpu_ops
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: AttentionBatch) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope: RopeInputs, fb: AttentionBatch) -> torch.Tensor:
         t = h.shape[0]
-        q, k, v = self.qkv_proj(h).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        qkv = self.qkv_proj(h)
+        fused_rope = self.ops is not None and self.q_norm is None  # Qwen3 norms q, k first
+        if self.ops is not None and fused_rope:
+            # q heads then k heads lead each row of qkv: rotated there in place, one pass.
+            self.ops.rotary_(qkv, rope.positions, rope.cos_sin_cache, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if not fused_rope:
+            q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
         o = self.attn(q, k, v, fb)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -82,7 +90,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
 
     def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, fb: AttentionBatch
+        self, h: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs, fb: AttentionBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # On entry `h` is the previous layer's MLP output not yet added to `residual`
         # (None before the first layer, where `h` is the embedding).
@@ -91,7 +99,7 @@ class LlamaDecoderLayer(nn.Module):
             h = self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, cos, sin, fb)
+        h = self.self_attn(h, rope, fb)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -107,10 +115,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: AttentionBatch) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions)
+        rope = self.rotary_emb(positions)
         residual: torch.Tensor | None = None
         for layer in self.layers:
-            h, residual = layer(h, residual, cos, sin, fb)
+            h, residual = layer(h, residual, rope, fb)
         if residual is None:  # zero layers
             return self.norm(h)
         h, _ = self.norm(h, residual)

@@ -13,7 +13,10 @@ layout (gguf_blocks.py) and hands the layer to the method that computes with it:
     or a shape the kernel refuses -> UnquantizedLinearMethod, gguf's float dequantization
 
 so a layer is packed whole or float whole, and the float matrix of a packed one is
-never built.
+never built. Where bfloat16 matmuls are native (AMX / AVX512-BF16), a packed layer
+also keeps its weight in bfloat16 (`dense_weight`), which batches of 24 rows or more
+(prefill, large decode batches) run through instead: torch's int4 kernel is fastest
+at a few rows and grows linearly with them (int4.dense_matmul; +2 bytes a weight).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from runtime.layers.quantization.int4 import (
     ACT_DTYPE,
     N_MULTIPLE,
     Int4LinearMethod,
+    dense_matmul,
     pack_int4,
     unpack_int4,
 )
@@ -48,6 +52,9 @@ class Int4PlanesLinearMethod(Int4LinearMethod):
         self.planes = planes
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        dense = dense_matmul(layer, x, bias)
+        if dense is not None:
+            return dense
         x2 = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE).repeat(1, self.planes)
         packed, scales_and_zeros = cast(torch.Tensor, layer.packed), cast(torch.Tensor, layer.scales_and_zeros)
         out = torch._weight_int4pack_mm_for_cpu(x2, packed, BLOCK, scales_and_zeros).to(x.dtype)
@@ -69,6 +76,19 @@ def pack_planes(planes: Int4Planes) -> tuple[torch.Tensor, torch.Tensor]:
     codes = planes.q.permute(1, 0, 2).reshape(n, p * k).to(torch.int32)
     sz = torch.stack([planes.scale, planes.zero], dim=-1)  # [P, N, G, 2]
     return pack_int4(codes), sz.permute(0, 2, 1, 3).reshape(p * k // BLOCK, n, 2).to(ACT_DTYPE).contiguous()
+
+
+def native_bf16_matmul(device: torch.device) -> bool:
+    """oneDNN runs bfloat16 GEMMs in hardware here (AMX or AVX512-BF16)."""
+    return device.type == "cpu" and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+
+
+def dense_bf16(planes: Int4Planes) -> torch.Tensor:
+    """The planes' weight `[N, K]` in bfloat16, from float32 sums (the float64 of
+    `Int4Planes.dequantize` would change nothing after the bfloat16 rounding)."""
+    p, n, k = planes.q.shape
+    groups = (planes.q.float().view(p, n, k // BLOCK, BLOCK) - 8) * planes.scale[..., None] + planes.zero[..., None]
+    return groups.sum(0).view(n, k).to(torch.bfloat16)
 
 
 def _with_planes(planes: Int4Planes, count: int) -> Int4Planes:
@@ -127,6 +147,8 @@ class GgufLinearMethod(UnquantizedLinearMethod):
             del layer.weight  # the placeholder goes: the packed tensors replace it
             layer.packed = nn.Parameter(packed.to(self.device), requires_grad=False)
             layer.scales_and_zeros = nn.Parameter(scales_and_zeros.to(self.device), requires_grad=False)
+            if native_bf16_matmul(self.device):  # prefill and big batches: see int4.dense_matmul
+                layer.register_buffer("dense_weight", dense_bf16(planes).to(self.device), persistent=False)
             method = Int4LinearMethod(BLOCK) if count == 1 else Int4PlanesLinearMethod(count)
         else:
             weight = torch.empty(n, k, dtype=self.dtype, device=self.device)

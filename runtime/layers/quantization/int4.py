@@ -12,7 +12,7 @@ to bfloat16 in and the output back to the input dtype.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -99,9 +99,33 @@ def dequantize_int4_values(
     return groups.view(n, k)
 
 
+# From this many rows on, a bfloat16 GEMM (oneDNN; AMX or AVX512-BF16) beats the int4
+# kernel, whose time grows linearly with M while the GEMM reads 4x the weight bytes:
+# SmolLM2's whole decode step (2 threads, bench/RESULTS.md item 15) took 62 ms int4 vs
+# 68-71 ms bf16 at 16 rows and 113-118 vs 99 ms at 32; a prefill of 128 tokens 2x faster.
+DENSE_MIN_ROWS = 24
+
+
+def dense_matmul(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """`x @ W.T (+ bias)` through the layer's bfloat16 copy of its int4 weight
+    (`dense_weight`, kept by gguf where bf16 matmuls are native) when the batch has
+    DENSE_MIN_ROWS rows or more; None: use the int4 kernel. Never under deterministic
+    inference: a row's kernel must not depend on how many rows share the call."""
+    dense = cast(torch.Tensor | None, getattr(layer, "dense_weight", None))
+    if dense is None or layer.batch_invariant or x.numel() < DENSE_MIN_ROWS * x.shape[-1]:
+        return None
+    out = torch.nn.functional.linear(x.to(dense.dtype), dense).to(x.dtype)
+    return out if bias is None else out + bias
+
+
 class Int4LinearMethod(UnquantizedLinearMethod):
     """Loads the float weight as `UnquantizedLinearMethod` does; after loading, holds
     `packed` and `scales_and_zeros` (see `Int4Weight`) instead."""
+
+    # torch's kernel accumulates each output row in its own K loop, the same code for
+    # any M (its row tiles only share the dequantized weights): batch-invariant as is
+    # (the dense copy, M-dependent, is off under deterministic inference: dense_matmul).
+    row_invariant: ClassVar[bool] = True
 
     def __init__(self, group_size: int = DEFAULT_GROUP_SIZE) -> None:
         if group_size not in (32, 64, 128, 256):  # the kernel's
@@ -119,6 +143,9 @@ class Int4LinearMethod(UnquantizedLinearMethod):
     def apply(
         self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
+        dense = dense_matmul(layer, x, bias)
+        if dense is not None:
+            return dense
         # The kernel takes a 2-D activation with a contiguous last dim.
         x2 = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE).contiguous()
         packed, scales_and_zeros = (

@@ -9,7 +9,7 @@ on the way in and the output back to the input dtype.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 from torch import nn
@@ -41,6 +41,8 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 class Int8LinearMethod(UnquantizedLinearMethod):
     """Loads the float weight as `UnquantizedLinearMethod` does; after loading, holds
     `qweight: [out, in]` int8 and `scales: [out]` instead."""
+
+    row_invariant: ClassVar[bool] = True  # like int4's kernel: one K loop per output row, any M
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         qweight, scales = quantize_int8(layer.weight.data)

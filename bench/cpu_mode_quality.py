@@ -1,0 +1,62 @@
+"""`python -m bench.cpu_mode_quality`: the CPU modes' agreement with the float32 model
+over a larger text than bench.quant_model's 222 held-out tokens.
+
+Teacher forcing over `--windows` windows of 128 tokens of this repository's docs
+(docs/*.md, README.md), each window one 112-token prefill then 16 decode steps (so
+both the prefill path and the decode path of a mode are measured), against the
+float32 conversion of the embedded GGUF:
+
+  default      quantization=auto (gguf: int4 blocks for decode, their bf16 copy for
+               batches of >= 8 rows), fused CPU kernels, exact Q8 LM head
+  int4-only    the same without the bf16 copy (every matmul through the int4 kernel)
+  bf16         a bfloat16 model without quantization (the previous default on AMX CPUs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+from pathlib import Path
+
+
+def main() -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    from bench.quant_model import agreement
+    from kernels.cpu import load_cpu_ops
+    from runtime.model_config import ModelConfig
+    from runtime.model_executor.model_loader import load_model, prepare_model_dir
+    from runtime.models.cpu_path import bind_cpu_ops
+    from tests.test_models import run_in_rounds
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--windows", type=int, default=24, help="128-token windows of docs text.")
+    args = parser.parse_args()
+    root = Path(__file__).resolve().parent.parent
+    model_dir = prepare_model_dir(None, "auto")
+    text = "\n".join(Path(p).read_text() for p in [*sorted(glob.glob(str(root / "docs" / "*.md"))), str(root / "README.md")])
+    ids = AutoTokenizer.from_pretrained(model_dir).encode(text)
+    windows = [ids[i : i + 128] for i in range(0, min(len(ids) - 127, args.windows * 128), 128)]
+    ops = load_cpu_ops()
+
+    def logits(model: torch.nn.Module, config: ModelConfig) -> torch.Tensor:
+        return torch.cat([run_in_rounds(model, config, [w], [[len(w) - 16]] + [[1]] * 16)[0] for w in windows])
+
+    f32 = ModelConfig.from_pretrained(model_dir, torch.float32, context_length=512)
+    ref = logits(load_model(model_dir, f32, "auto", "cpu", seed=None), f32)
+    model = load_model(model_dir, f32, "auto", "cpu", seed=None, quantization="gguf")
+    if ops is not None:
+        bind_cpu_ops(model, ops)
+    print(f"{len(windows) * 128} tokens; top-1 agreement, mean |delta logprob| vs float32")
+    print("default    %.4f %.4f" % agreement(logits(model, f32), ref))
+    for module in model.modules():
+        if hasattr(module, "dense_weight"):
+            del module.dense_weight
+    print("int4-only  %.4f %.4f" % agreement(logits(model, f32), ref))
+    bf16 = ModelConfig.from_pretrained(model_dir, torch.bfloat16, context_length=512)
+    print("bf16       %.4f %.4f" % agreement(logits(load_model(model_dir, bf16, "auto", "cpu", seed=None), bf16), ref))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+// The Python module of the CPU kernels: one extension built from every .cpp here.
+#include <torch/extension.h>
+
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_idx, at::Tensor token_req,
+                           at::Tensor lens, double scale);
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_idx, at::Tensor lens, double scale);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+void rotary_(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin_cache, int64_t heads, int64_t head_dim);
+at::Tensor silu_mul(at::Tensor gate_up);
+void store_kv(at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc, at::Tensor k, at::Tensor v);
+at::Tensor q8_linear(at::Tensor x, at::Tensor qw, at::Tensor scales);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention, one query token at a time (CPU)");
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm, "weight * rms_norm(x)");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; weight * rms_norm(residual)");
+  m.def("rotary_", &rotary_, "RoPE on the first heads of each row, in place");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("store_kv", &store_kv, "k_buf[loc] = k, v_buf[loc] = v (cast to the buffers' dtype)");
+  m.def("q8_linear", &q8_linear, "x @ W.T with W in int8 blocks of 32");
+}

@@ -1,0 +1,196 @@
+// Row-wise ops of a decoder layer fused into one pass each: what a decode step of
+// a small model spends its time dispatching, not computing.
+//
+//   add_rms_norm_  residual += x; out = weight * norm(residual)      (both layer norms)
+//   rms_norm       out = weight * norm(x)                            (the first layer's)
+//   rotary_        RoPE on the q and k heads of the fused qkv output, in place
+//   silu_mul       out = silu(gate) * up over the fused gate|up output
+//
+// Numerics follow the torch code they replace (runtime/layers/): math in float32,
+// each intermediate the torch version rounds to the model dtype rounded here too
+// (residual sum, normalized value, silu). Every op is per row: a row's result
+// depends on that row only (no cross-row reduction, no M-dependent path), so these
+// are batch-invariant by construction.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#endif
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// Rows per parallel chunk: enough elements that a thread's share beats its wake-up.
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
+
+template <typename T>
+inline float rounded(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+template <typename T>
+void rms_norm_kernel(const T* x, int64_t x_stride, T* residual, const T* weight, T* out, int64_t rows, int64_t H,
+                     float eps) {
+  at::parallel_for(0, rows, grain(H), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(H);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      if (residual != nullptr) {
+        T* res = residual + r * H;
+        for (int64_t j = 0; j < H; ++j) {
+          const T sum = static_cast<T>(static_cast<float>(xr[j]) + static_cast<float>(res[j]));
+          res[j] = sum;
+          buf[j] = static_cast<float>(sum);
+        }
+      } else {
+        for (int64_t j = 0; j < H; ++j) buf[j] = static_cast<float>(xr[j]);
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < H; ++j) ss += buf[j] * buf[j];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+      T* o = out + r * H;
+      for (int64_t j = 0; j < H; ++j) o[j] = static_cast<T>(static_cast<float>(weight[j]) * rounded<T>(buf[j] * inv));
+    }
+  });
+}
+
+template <typename T>
+void rotary_kernel(T* x, int64_t stride, const int64_t* pos, const float* cache, int64_t rows, int64_t heads, int64_t D) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, rows, grain(heads * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = cache + pos[t] * D;  // the cache row is [cos | sin]
+      const float* sin = cos + half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x1 = x + t * stride + h * D;
+        T* x2 = x1 + half;
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) {
+          const float a = static_cast<float>(x1[j]), b = static_cast<float>(x2[j]);
+          x1[j] = static_cast<T>(a * cos[j] - b * sin[j]);
+          x2[j] = static_cast<T>(b * cos[j] + a * sin[j]);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_kernel(const T* gate_up, int64_t stride, T* out, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, grain(I), [&](int64_t begin, int64_t end) {
+    std::vector<float> g(I);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gr = gate_up + r * stride;
+      const T* ur = gr + I;
+      for (int64_t j = 0; j < I; ++j) g[j] = static_cast<float>(gr[j]);
+      // torch's silu: x / (1 + exp(-x)), the same vectorized exp.
+      int64_t j = 0;
+      for (; j + Vec::size() <= I; j += Vec::size()) {
+        const Vec v = Vec::loadu(g.data() + j);
+        (v / (Vec(1.f) + v.neg().exp())).store(g.data() + j);
+      }
+      for (; j < I; ++j) g[j] = g[j] / (1.f + std::exp(-g[j]));
+      T* o = out + r * I;
+      for (int64_t k = 0; k < I; ++k) o[k] = static_cast<T>(rounded<T>(g[k]) * static_cast<float>(ur[k]));
+    }
+  });
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+}  // namespace
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous(), "weight: x's dtype, contiguous");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), nullptr, weight.data_ptr<scalar_t>(),
+                              out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes(), "residual: contiguous, x's shape");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(), "one dtype");
+  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm_", [&] {
+    rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), residual.data_ptr<scalar_t>(),
+                              weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                              static_cast<float>(eps));
+  });
+  return out;
+}
+
+void rotary_(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin_cache, int64_t heads, int64_t head_dim) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(heads * head_dim <= qkv.size(1) && head_dim % 2 == 0, "rotated heads must fit the row");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous() &&
+                  cos_sin_cache.size(1) == head_dim, "cos_sin_cache: float32 [positions, head_dim]");
+  auto pos = positions.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == qkv.size(0), "one position per row");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_", [&] {
+    rotary_kernel<scalar_t>(qkv.data_ptr<scalar_t>(), qkv.stride(0), pos.data_ptr<int64_t>(),
+                            cos_sin_cache.data_ptr<float>(), qkv.size(0), heads, head_dim);
+  });
+}
+
+at::Tensor silu_mul(at::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even width");
+  const int64_t I = gate_up.size(1) / 2;
+  auto out = at::empty({gate_up.size(0), I}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    silu_mul_kernel<scalar_t>(gate_up.data_ptr<scalar_t>(), gate_up.stride(0), out.data_ptr<scalar_t>(),
+                              gate_up.size(0), I);
+  });
+  return out;
+}
+
+namespace {
+
+template <typename S, typename D>
+void store_rows(const S* src, int64_t src_stride, D* dst, const int64_t* loc, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const S* s = src + r * src_stride;
+      D* d = dst + loc[r] * width;
+      for (int64_t j = 0; j < width; ++j) d[j] = static_cast<D>(static_cast<float>(s[j]));
+    }
+  });
+}
+
+void store_one(const at::Tensor& src, at::Tensor& buf, const at::Tensor& loc) {
+  TORCH_CHECK(src.dim() == 3 && src.stride(2) == 1 && src.stride(1) == src.size(2), "k, v: [T, H, D], rows of H*D contiguous");
+  TORCH_CHECK(buf.is_contiguous() && buf.size(1) == src.size(1) && buf.size(2) == src.size(2), "buffer: [slots, H, D]");
+  const int64_t width = src.size(1) * src.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "store_kv_src", [&] {
+    using S = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, buf.scalar_type(), "store_kv_dst", [&] {
+      store_rows<S, scalar_t>(src.data_ptr<S>(), src.stride(0), buf.data_ptr<scalar_t>(), loc.data_ptr<int64_t>(),
+                              src.size(0), width);
+    });
+  });
+}
+
+}  // namespace
+
+// k_buf[loc[i]] = k[i], v_buf[loc[i]] = v[i], cast to the buffers' dtype (torch's
+// rounding): the KV write of one layer, which as two index_put calls cost ~80 us at
+// a 16-token decode step.
+void store_kv(at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc, at::Tensor k, at::Tensor v) {
+  auto idx = loc.to(at::kLong).contiguous();
+  TORCH_CHECK(idx.numel() == k.size(0) && idx.numel() == v.size(0), "one slot per token");
+  store_one(k, k_buf, idx);
+  store_one(v, v_buf, idx);
+}

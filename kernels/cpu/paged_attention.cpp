@@ -1,0 +1,313 @@
+// Paged attention on CPU for deterministic inference: every query token, decode or
+// extend, computed on its own from K/V read in place from the token-indexed KV pool.
+//
+// q:         [T, Hq, D]        k_buf, v_buf: [slots, Hkv, D] (contiguous; q's dtype,
+//                              or bfloat16/float16 under a float32 q: a narrower KV
+//                              cache halves the bytes read)
+// kv_idx:    [R, max_len] int64 slot of each position of request row r
+// token_req: [T] int64         the kv_idx row query t reads
+// lens:      [T] int64         query t attends to positions [0, lens[t])
+// out:       [T, Hq, D] (q's dtype)
+//
+// A decode step is the case T = R, token_req = arange(R): one new token per request.
+// An extend (prefill) is T queries of one request, query j attending to the cached
+// prefix and the new tokens up to itself (lens = prefix + j + 1).
+//
+// Batch invariance (what --enable-deterministic-inference relies on): query t's
+// output is a function of q[t], its lens[t] K/V rows and nothing else, computed by
+// the same arithmetic whatever T, the other queries or the thread count:
+//   score[p]  = sum over d = 0..D-1, in order, of q[d] * k_p[d]   (one fma chain)
+//   m         = max over p; e[p] = exp(score[p] - m)
+//   sum       = 16 lane sums (lane j: positions p = j mod 16, in order), then the
+//               lanes added 0..15
+//   out[d]    = (sum over p, in order, of e[p] * v_p[d]) * (1 / sum)
+// So a token computed in a decode step, in a prefill, alone, in a batch of 200 or
+// in a chunk after a cached prefix gets the same bits.
+//
+// Work items are blocks of up to kQueries consecutive queries of one request (a
+// decode step: one query per item). Positions go in tiles of 16: the tile's K rows
+// are widened and transposed once ([Hkv][D][16]) and serve every query and head of
+// the block, so a score is 16 lanes of one fma chain, with no horizontal sums.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#endif
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kTile = 16;     // positions per K tile (and lanes of a partial sum)
+constexpr int64_t kQueries = 16;  // queries of one request per work item
+
+// Widen one K/V row to float. bfloat16 is the high half of a float: a shift the
+// compiler vectorizes (c10's conversion operator it does not).
+template <typename KT>
+inline void to_float(const KT* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+}
+
+template <>
+inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) out[j] = static_cast<uint32_t>(bits[j]) << 16;
+}
+
+// A float KV row is read in place; a narrower one is widened into `scratch`.
+template <typename KT>
+inline const float* row_as_float(const KT* src, float* scratch, int64_t n) {
+  to_float(src, scratch, n);
+  return scratch;
+}
+
+template <>
+inline const float* row_as_float<float>(const float* src, float*, int64_t) {
+  return src;
+}
+
+// e[p] = exp(s[p] - m) in place over n scores; returns their sum in the fixed order
+// of the header (16 lane sums, then lanes 0..15). Lanes past n add nothing: a
+// masked load reads +0.0, and e >= 0 is unchanged by adding it.
+inline float exp_and_sum(float* s, int64_t n, float m) {
+  constexpr int64_t kVecs = kTile / Vec::size();
+  Vec lanes[kVecs];
+  for (int64_t v = 0; v < kVecs; ++v) lanes[v] = Vec(0.f);
+  for (int64_t p0 = 0; p0 < n; p0 += kTile) {
+    for (int64_t v = 0; v < kVecs; ++v) {
+      const int64_t p = p0 + v * Vec::size();
+      if (p >= n) break;
+      const int64_t count = std::min<int64_t>(Vec::size(), n - p);
+      const Vec e = (Vec::loadu(s + p, count) - Vec(m)).exp();  // the same vector exp for every element
+      e.store(s + p, count);
+      lanes[v] = lanes[v] + Vec::loadu(s + p, count);
+    }
+  }
+  float sums[kTile];
+  for (int64_t v = 0; v < kVecs; ++v) lanes[v].store(sums + v * Vec::size());
+  float sum = 0.f;
+  for (int64_t j = 0; j < kTile; ++j) sum += sums[j];
+  return sum;
+}
+
+inline float max_of(const float* s, int64_t n) {  // exact in any order
+  Vec m(-std::numeric_limits<float>::infinity());
+  int64_t p = 0;
+  for (; p + Vec::size() <= n; p += Vec::size()) m = at::vec::maximum(m, Vec::loadu(s + p));
+  float lanes[Vec::size()];
+  m.store(lanes);
+  float out = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < Vec::size(); ++j) out = std::max(out, lanes[j]);
+  for (; p < n; ++p) out = std::max(out, s[p]);
+  return out;
+}
+
+constexpr int64_t kChains = 8;  // independent (query, head) score chains in flight
+constexpr int64_t kAccVecs = 16;  // output vectors accumulated in registers at once
+
+template <typename T, typename KT>
+void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& kv_idx,
+                      const at::Tensor& token_req, const at::Tensor& lens, double scale, at::Tensor& out) {
+  constexpr int64_t kVecs = kTile / Vec::size();
+  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
+  const int64_t G = Hq / Hkv, max_len = kv_idx.size(1), row = Hkv * D;
+  const int64_t dvecs = D / Vec::size();  // D % Vec::size() == 0: checked by the caller
+  const int64_t heads_per_pass = std::max<int64_t>(1, std::min(G, kAccVecs / dvecs));
+  const T* qp = q.data_ptr<T>();
+  const KT* kp = k_buf.data_ptr<KT>();
+  const KT* vp = v_buf.data_ptr<KT>();
+  const int64_t* ip = kv_idx.data_ptr<int64_t>();
+  const int64_t* rp = token_req.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+
+  // Work items: runs of up to kQueries consecutive queries reading the same request.
+  std::vector<int64_t> starts;
+  for (int64_t i = 0; i < n; ++i)
+    if (i == 0 || rp[i] != rp[i - 1] || i - starts.back() == kQueries) starts.push_back(i);
+  starts.push_back(n);
+  const int64_t items = static_cast<int64_t>(starts.size()) - 1;
+  // Item order 0, last, 1, last-1, ...: each thread's contiguous range then mixes an
+  // extend's short (early) and long (late) queries.
+  auto order = [items](int64_t w) { return (w % 2 == 0) ? w / 2 : items - 1 - w / 2; };
+
+  // A request read by several items (an extend of more than kQueries tokens) has its
+  // K tiles transposed once, up front, into `shared`; others transpose as they go.
+  const int64_t tile_size = Hkv * D * kTile;
+  std::vector<int64_t> shared_at(items, -1);  // item -> first tile of its request in `shared`
+  std::vector<std::array<int64_t, 3>> shared_tiles;  // (request row, tile start, request's span)
+  for (int64_t w = 0; w < items;) {
+    int64_t last = w, span = 0;
+    while (last + 1 < items && rp[starts[last + 1]] == rp[starts[w]]) ++last;
+    if (last > w) {
+      for (int64_t i = starts[w]; i < starts[last + 1]; ++i) span = std::max(span, lp[i]);
+      for (int64_t x = w; x <= last; ++x) shared_at[x] = static_cast<int64_t>(shared_tiles.size());
+      for (int64_t t0 = 0; t0 < span; t0 += kTile) shared_tiles.push_back({rp[starts[w]], t0, span});
+    }
+    w = last + 1;
+  }
+  std::vector<float> shared(shared_tiles.size() * tile_size);
+  auto transpose_tile = [&](int64_t req, int64_t t0, int64_t span, float* dst, float* scratch) {
+    const int64_t* idx = ip + req * max_len;
+    const int64_t width = std::min(kTile, span - t0);
+    if (width < kTile) std::fill(dst, dst + tile_size, 0.f);  // lanes past the end: finite
+    for (int64_t p = 0; p < width; ++p) {
+      const float* kr = row_as_float(kp + idx[t0 + p] * row, scratch, row);
+      for (int64_t c = 0; c < row; ++c) dst[c * kTile + p] = kr[c];  // dst[(h * D + d) * 16 + p]
+    }
+  };
+  at::parallel_for(0, static_cast<int64_t>(shared_tiles.size()), 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> rf(row);
+    for (int64_t t = begin; t < end; ++t) {
+      const auto [req, t0, span] = shared_tiles[t];
+      transpose_tile(req, t0, span, shared.data() + t * tile_size, rf.data());
+    }
+  });
+
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(kQueries * Hq * D), kt(Hkv * D * kTile), rf(row), scores, vf;
+    std::vector<float> inv_sum(kQueries * Hq);
+    std::vector<const float*> vrows;
+    for (int64_t ww = begin; ww < end; ++ww) {
+      const int64_t w = order(ww);
+      const int64_t first = starts[w], nq = starts[w + 1] - first;
+      const int64_t* idx = ip + rp[first] * max_len;
+      int64_t span = 0;  // positions the block reads: the longest query's
+      for (int64_t j = 0; j < nq; ++j) span = std::max(span, lp[first + j]);
+      for (int64_t j = 0; j < nq * Hq * D; ++j) qf[j] = static_cast<float>(qp[first * Hq * D + j]) * fscale;
+      scores.assign(nq * Hq * span, 0.f);  // scores[(j * Hq + hq) * span + p]
+
+      // Pass 1: scores, one tile of 16 positions at a time; kChains (query, head)
+      // pairs at once, each its own fma chain over d.
+      for (int64_t t0 = 0; t0 < span; t0 += kTile) {
+        const int64_t width = std::min(kTile, span - t0);
+        const float* ktile = kt.data();
+        if (shared_at[w] >= 0) {
+          ktile = shared.data() + (shared_at[w] + t0 / kTile) * tile_size;
+        } else {
+          transpose_tile(rp[first], t0, span, kt.data(), rf.data());
+        }
+        int64_t pairs[kChains];
+        int64_t npairs = 0;
+        auto flush = [&]() {
+          Vec acc[kChains][kVecs];
+          for (int64_t c = 0; c < npairs; ++c)
+            for (int64_t v = 0; v < kVecs; ++v) acc[c][v] = Vec(0.f);
+          for (int64_t d = 0; d < D; ++d) {
+            for (int64_t c = 0; c < npairs; ++c) {
+              const int64_t j = pairs[c] / Hq, hq = pairs[c] % Hq;
+              const Vec qd(qf[(j * Hq + hq) * D + d]);
+              const float* kd = ktile + ((hq / G) * D + d) * kTile;
+              for (int64_t v = 0; v < kVecs; ++v) acc[c][v] = at::vec::fmadd(qd, Vec::loadu(kd + v * Vec::size()), acc[c][v]);
+            }
+          }
+          float tile[kTile];
+          for (int64_t c = 0; c < npairs; ++c) {
+            for (int64_t v = 0; v < kVecs; ++v) acc[c][v].store(tile + v * Vec::size());
+            std::copy(tile, tile + width, scores.data() + pairs[c] * span + t0);
+          }
+          npairs = 0;
+        };
+        for (int64_t j = 0; j < nq; ++j) {
+          if (lp[first + j] <= t0) continue;
+          for (int64_t hq = 0; hq < Hq; ++hq) {
+            pairs[npairs++] = j * Hq + hq;
+            if (npairs == kChains) flush();
+          }
+        }
+        if (npairs > 0) flush();
+      }
+      // Softmax per query and head, over that query's own positions only.
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t len = lp[first + j];
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          float* sh = scores.data() + (j * Hq + hq) * span;
+          inv_sum[j * Hq + hq] = 1.f / exp_and_sum(sh, len, max_of(sh, len));
+        }
+      }
+      // Pass 2: out = sum over p, in order, of e[p] * v_p: the query heads sharing a kv
+      // head accumulate together, in registers, over that kv head's V rows.
+      vrows.resize(span);
+      if constexpr (std::is_same_v<KT, float>) {
+        for (int64_t p = 0; p < span; ++p) vrows[p] = vp + idx[p] * row;
+      } else {
+        vf.resize(span * row);
+        for (int64_t p = 0; p < span; ++p) {
+          to_float(vp + idx[p] * row, vf.data() + p * row, row);
+          vrows[p] = vf.data() + p * row;
+        }
+      }
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t len = lp[first + j];
+        for (int64_t h = 0; h < Hkv; ++h) {
+          for (int64_t g0 = 0; g0 < G; g0 += heads_per_pass) {
+            const int64_t heads = std::min(heads_per_pass, G - g0), hq0 = h * G + g0;
+            Vec acc[kAccVecs];
+            for (int64_t a = 0; a < heads * dvecs; ++a) acc[a] = Vec(0.f);
+            const float* e0 = scores.data() + (j * Hq + hq0) * span;
+            for (int64_t p = 0; p < len; ++p) {
+              const float* vh = vrows[p] + h * D;
+              for (int64_t g = 0; g < heads; ++g) {
+                const Vec e(e0[g * span + p]);
+                for (int64_t v = 0; v < dvecs; ++v)
+                  acc[g * dvecs + v] = at::vec::fmadd(e, Vec::loadu(vh + v * Vec::size()), acc[g * dvecs + v]);
+              }
+            }
+            for (int64_t g = 0; g < heads; ++g) {
+              float o[kAccVecs * 16];
+              for (int64_t v = 0; v < dvecs; ++v) acc[g * dvecs + v].store(o + v * Vec::size());
+              const float inv = inv_sum[j * Hq + hq0 + g];
+              T* dst = op + ((first + j) * Hq + hq0 + g) * D;
+              for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] * inv);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_idx, at::Tensor token_req,
+                           at::Tensor lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3, "q, k_buf, v_buf must be 3-D");
+  TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type(), "K and V buffers differ in dtype");
+  const bool narrow_kv = q.scalar_type() == at::kFloat &&
+                         (k_buf.scalar_type() == at::kBFloat16 || k_buf.scalar_type() == at::kHalf);
+  TORCH_CHECK(q.scalar_type() == k_buf.scalar_type() || narrow_kv, "unsupported q/KV dtype pair");
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous(), "KV buffers must be contiguous");
+  TORCH_CHECK(q.size(1) % k_buf.size(1) == 0, "Hq must be a multiple of Hkv");
+  TORCH_CHECK(token_req.numel() == q.size(0) && lens.numel() == q.size(0), "token_req and lens need one entry per query");
+  TORCH_CHECK(q.size(2) % at::vec::Vectorized<float>::size() == 0 &&
+                  q.size(2) <= kAccVecs * at::vec::Vectorized<float>::size(),
+              "head_dim must be a multiple of the vector width, at most 16 vectors");
+  q = q.contiguous();
+  kv_idx = kv_idx.to(at::kLong).contiguous();
+  token_req = token_req.to(at::kLong).contiguous();
+  lens = lens.to(at::kLong).contiguous();
+  auto out = at::empty_like(q);
+  if (q.size(0) == 0) return out;
+  if (k_buf.scalar_type() == at::kBFloat16 && narrow_kv) {
+    attention_kernel<float, at::BFloat16>(q, k_buf, v_buf, kv_idx, token_req, lens, scale, out);
+  } else if (k_buf.scalar_type() == at::kHalf && narrow_kv) {
+    attention_kernel<float, at::Half>(q, k_buf, v_buf, kv_idx, token_req, lens, scale, out);
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+      attention_kernel<scalar_t, scalar_t>(q, k_buf, v_buf, kv_idx, token_req, lens, scale, out);
+    });
+  }
+  return out;
+}

@@ -1,0 +1,94 @@
+"""The CPU default: `sluice serve` with no flags on a GGUF model runs the GGUF's own
+blocks (quantization=auto -> gguf) with float32 activations and the compiled CPU
+kernels bound, and it is still the float32 model to the issue's 99% top-1 bar.
+
+Tests that compare with HF float32 pin dtype=float32, quantization=none instead
+(tests/conftest.py ENGINE_DEFAULTS); this file checks the default itself. Slow (it
+reads the real GGUF): listed in tests/conftest.py SLOW_TESTS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bench.quant_model import HELD_OUT_TEXT, agreement
+from config.settings import EngineSettings
+from kernels.cpu import load_cpu_ops
+from runtime.layers.linear import LinearBase
+from runtime.layers.quantization import linear_form
+from runtime.model_config import ModelConfig
+from runtime.model_executor.model_loader import load_model
+from runtime.model_executor.resolve import resolve_cpu_threads, resolve_quantization_and_dtype
+from runtime.models.cpu_path import bind_cpu_ops
+from tests.conftest import assert_all_memory_free
+from tests.test_models import run_in_rounds
+
+
+def resolved(model_dir: Path, device: str = "cpu", **knobs: Any) -> tuple[str, torch.dtype]:
+    _, quant, dtype = resolve_quantization_and_dtype(EngineSettings(**knobs), device, model_dir)
+    return quant, dtype
+
+
+def test_auto_runs_a_gguf_model_on_its_own_blocks_in_float32(model_dir: Path) -> None:
+    assert resolved(model_dir) == ("gguf", torch.float32)
+    assert resolved(model_dir, dtype="bfloat16") == ("gguf", torch.bfloat16)  # an explicit dtype stays
+    assert resolved(model_dir, quantization="none", dtype="float32") == ("none", torch.float32)
+
+
+def test_auto_leaves_other_models_and_setups_unquantized(model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")  # an HF directory: no GGUF behind it
+    assert resolved(tmp_path, dtype="float32") == ("none", torch.float32)
+    assert resolved(model_dir, dtype="float32", load_format="dummy") == ("none", torch.float32)
+    assert resolved(model_dir, dtype="float32", tp_size=2) == ("none", torch.float32)
+    settings, quant, _ = resolve_quantization_and_dtype(EngineSettings(), "cpu", model_dir)
+    assert settings.quantization == quant == "gguf", "the resolved value is what server_info reports"
+
+
+def test_threads_default_to_the_cores_this_process_may_use() -> None:
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    assert resolve_cpu_threads(None, 1) == cores
+    assert resolve_cpu_threads(None, 2) == max(1, cores // 2)
+    assert resolve_cpu_threads(3, 1) == 3
+
+
+def test_the_default_model_agrees_with_float32_teacher_forced(model_dir: Path, tokenizer: Any) -> None:
+    """The default's model as the engine builds it (gguf linears with their bf16 copy for
+    prefill, fused kernels, the exact Q8 LM head) against the float32 conversion. The
+    issue's 99% top-1 bar is measured over 3072 tokens (`python -m bench.cpu_mode_quality`:
+    99.0%, bench item 16); these 222 tokens resolve 0.45% a token: 219 of 222 agree."""
+    ops = load_cpu_ops()
+    if ops is None:
+        pytest.skip("no CPU kernels here")
+    config = ModelConfig.from_pretrained(model_dir, torch.float32, context_length=512)
+    ids = tokenizer.encode(HELD_OUT_TEXT)
+    windows = [ids[:128], ids[128:]]
+
+    def logits(model: torch.nn.Module) -> torch.Tensor:
+        return torch.cat([run_in_rounds(model, config, [w], [[len(w) - 16]] + [[1]] * 16)[0] for w in windows])
+
+    ref = logits(load_model(model_dir, config, "auto", "cpu", seed=None))
+    model = load_model(model_dir, config, "auto", "cpu", seed=None, quantization="gguf")
+    assert bind_cpu_ops(model, ops) == {"LlamaAttention": 30, "SiluAndMulMLP": 30, "RMSNorm": 61, "q8_lm_head": 1}
+    top1, dlogprob = agreement(logits(model), ref)
+    print(f"default vs float32 over {len(ids)} tokens: top-1 {top1:.3f}, mean |delta logprob| {dlogprob:.4f}")
+    assert top1 >= 0.98 and dlogprob <= 0.015, (top1, dlogprob)
+
+
+def test_an_engine_with_no_flags_serves_the_default_mode(make_engine: Any, tokenizer: Any) -> None:
+    engine = make_engine(dtype="auto", quantization="auto")  # what `sluice serve` passes: the knobs' defaults
+    assert dataclasses.asdict(engine.settings)["quantization"] == "gguf"
+    assert engine.model_config.dtype == torch.float32
+    model = engine.worker.model
+    assert {linear_form(m) for m in model.modules() if isinstance(m, LinearBase)} == {"int4"}
+    if load_cpu_ops() is not None:
+        assert model.logits_processor.q8 is not None, "the Q8_0 LM head runs from its exact blocks"
+    out = engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
+    assert "Paris" in out["text"], out["text"]
+    assert_all_memory_free(engine)

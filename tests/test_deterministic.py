@@ -1,0 +1,120 @@
+"""`--enable-deterministic-inference`: a temperature-0 completion is the same tokens
+whatever runs beside it (issue #17's experiment, on the real SmolLM2 weights).
+
+Each target prompt is first generated alone on an empty cache. Then the same targets
+run in five batch compositions: all together; shuffled among fillers of other
+lengths; arriving while fillers decode (their prefill shares forwards with decodes);
+after their first halves were cached (the radix cache serves a prefix, the rest is
+prefilled as a continuation); and one at a time into a running batch. Every one of
+those completions must equal the target's completion alone, token for token.
+
+Without the flag this test fails in both modes (run on the AMX Xeon, 2026-11-24):
+bfloat16 changed 6 of its 40 batched completions (oneDNN picks its GEMM kernel by the
+batch's row count), the default mode 2 (both after a cached prefix: SDPA over a
+cached prefix sums in another order than over the whole prompt).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.conftest import LONG_TEXT, assert_all_memory_free
+
+MAX_NEW = 16
+Tokens = list[int]
+
+MODES: dict[str, dict[str, Any]] = {
+    # The issue's setting: bfloat16 matmuls (AMX / AVX512-BF16), no quantization.
+    "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
+    # What `sluice serve` runs on CPU by default: gguf blocks, float32 elsewhere.
+    "default": {"dtype": "auto", "quantization": "auto"},
+}
+
+
+def greedy(n: int = MAX_NEW) -> dict[str, Any]:
+    return {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+
+
+def empty_cache(engine: Any) -> None:
+    assert engine.wait_idle(timeout=60) and engine.flush_cache()
+
+
+def ids(outs: Any) -> list[Tokens]:
+    return [o["output_ids"] for o in outs]
+
+
+def beside_running(engine: Any, fillers: list[Tokens], run: Callable[[], list[Tokens]]) -> list[Tokens]:
+    """`run()` once every filler is decoding (fillers decode 4x longer than the targets)."""
+    done = threading.Event()
+
+    def decode_fillers() -> None:
+        engine.generate(fillers, greedy(4 * MAX_NEW))
+        done.set()
+
+    thread = threading.Thread(target=decode_fillers, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while engine.num_running_reqs < len(fillers) and not done.is_set() and time.monotonic() < deadline:
+        time.sleep(0.005)  # polls the condition itself
+    out: list[Tokens] = run()
+    thread.join()
+    return out
+
+
+@pytest.fixture(scope="module")
+def targets_and_fillers(tokenizer: Any, prompts: list[Tokens]) -> tuple[list[Tokens], list[Tokens]]:
+    shared = tokenizer.encode(LONG_TEXT, add_special_tokens=False)
+    targets = prompts + [shared + tokenizer.encode(q, add_special_tokens=False) for q in ("Who slept?", "Name the gates.")]
+    rng = random.Random(3)
+    fillers = [[rng.randrange(100, 40000) for _ in range(rng.randint(5, 200))] for _ in range(8)]
+    return targets, fillers
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_temperature_0_output_is_independent_of_batch_composition(
+    mode: str, make_module_engine: Any, targets_and_fillers: tuple[list[Tokens], list[Tokens]]
+) -> None:
+    targets, fillers = targets_and_fillers
+    engine = make_module_engine(enable_deterministic_inference=True, **MODES[mode])
+    alone = []
+    for t in targets:
+        empty_cache(engine)
+        alone.append(engine.generate(t, greedy())["output_ids"])
+
+    batched: dict[str, list[Tokens]] = {}
+    empty_cache(engine)
+    batched["together"] = ids(engine.generate(targets, greedy()))
+    empty_cache(engine)
+    order = list(range(len(targets) + len(fillers)))
+    random.Random(5).shuffle(order)
+    mixed = ids(engine.generate([(targets + fillers)[i] for i in order], greedy()))
+    batched["among fillers"] = [mixed[order.index(i)] for i in range(len(targets))]
+    empty_cache(engine)
+    batched["beside decodes"] = beside_running(engine, fillers, lambda: ids(engine.generate(targets, greedy())))
+    empty_cache(engine)
+    halved = [i for i, t in enumerate(targets) if len(t) >= 4]
+    engine.generate([targets[i][: len(targets[i]) // 2] for i in halved], greedy(1))
+    outs_cached = engine.generate(targets, greedy())
+    assert all(outs_cached[i]["meta_info"]["cached_tokens"] > 0 for i in halved), "targets should start from a cached half"
+    batched["after a cached prefix"] = ids(outs_cached)
+    empty_cache(engine)
+    batched["one by one into a batch"] = beside_running(
+        engine, fillers, lambda: [engine.generate(t, greedy())["output_ids"] for t in targets]
+    )
+
+    changed = {name: [i for i, (a, b) in enumerate(zip(alone, outs)) if a != b] for name, outs in batched.items()}
+    assert not any(changed.values()), f"completions that changed with their batch (target indices): {changed}"
+    assert_all_memory_free(engine)
+
+
+def test_deterministic_inference_is_refused_where_it_is_not_implemented(make_engine: Any) -> None:
+    from config.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="deterministic"):
+        make_engine(enable_deterministic_inference=True, disable_cpu_kernels=True)

@@ -1,0 +1,178 @@
+"""The pieces `--enable-deterministic-inference` is built from, each checked for the one
+property it promises: a row's result does not depend on the other rows of its batch
+(how many, which, where it sits). No model weights: random tensors, the compiled CPU
+kernels (skipped where they cannot be built) and torch's own kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu import CpuOps, load_cpu_ops
+from runtime.layers.batch_invariant import BLOCK_ROWS, batch_invariant_linear
+from runtime.layers.quantization.int4 import pack_int4, quantize_int4_values
+from runtime.layers.quantization.int8 import quantize_int8
+from runtime.layers.quantization.q8 import pack_q8_exact, q8_blocks
+from runtime.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+
+# SmolLM2-135M's linear shapes (in, out): qkv, gate|up, down, LM head.
+SHAPES = [(576, 960), (576, 3072), (1536, 576), (576, 49152)]
+BATCH_SIZES = [1, 2, 3, 7, 16, 17, 33, 64, 100]
+
+
+@pytest.fixture(scope="module")
+def ops() -> CpuOps:
+    loaded = load_cpu_ops()
+    if loaded is None:
+        pytest.skip("the CPU kernels cannot be built here (no compiler or ninja)")
+    return loaded
+
+
+def rows_alone_equal_rows_in_batches(matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> bool:
+    """Every prefix batch x[:m] gives, for each of its rows, the bits that row gets alone."""
+    alone = torch.cat([matmul(x[i : i + 1]) for i in range(x.shape[0])])
+    return all(torch.equal(matmul(x[:m]), alone[:m]) for m in BATCH_SIZES if m <= x.shape[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+def test_fixed_row_blocks_make_a_float_linear_batch_invariant(k: int, n: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    w, x = (torch.randn(n, k) * 0.05).to(dtype), torch.randn(100, k).to(dtype)
+    assert rows_alone_equal_rows_in_batches(lambda rows: batch_invariant_linear(rows, w), x)
+    # ...and it is F.linear's arithmetic: a full block is one plain call.
+    assert torch.equal(batch_invariant_linear(x[:BLOCK_ROWS], w), F.linear(x[:BLOCK_ROWS], w))
+
+
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+def test_torchs_int4_and_int8_weight_kernels_are_row_invariant_as_declared(k: int, n: int) -> None:
+    """Int4LinearMethod and Int8LinearMethod declare row_invariant = True: no row blocks."""
+    torch.manual_seed(0)
+    w, x = torch.randn(n, k) * 0.05, torch.randn(100, k).bfloat16()
+    q, scales_and_zeros = quantize_int4_values(w, 32)
+    packed = pack_int4(q)
+    assert rows_alone_equal_rows_in_batches(lambda r: torch._weight_int4pack_mm_for_cpu(r, packed, 32, scales_and_zeros), x)
+    qweight, scales = quantize_int8(w)
+    assert rows_alone_equal_rows_in_batches(lambda r: torch._weight_int8pack_mm(r, qweight, scales), x)
+
+
+def test_q8_lm_head_is_exact_for_q8_weights_and_batch_invariant(ops: CpuOps) -> None:
+    torch.manual_seed(0)
+    n, k = 4096, 576
+    d = (torch.rand(n, k // 32) * 0.01).half().float()  # a GGUF Q8_0 scale is a float16
+    q = torch.randint(-127, 128, (n, k // 32, 32)).float()
+    q[..., 0] = 127  # llama.cpp's rounding puts each block's largest |value| at 127
+    w = (q * d[..., None]).view(n, k)
+    packed = pack_q8_exact(w)
+    assert packed is not None, "Q8_0 weights dequantized to float32 must pack exactly"
+    x = torch.randn(40, k)
+    y = ops.q8_linear(x, packed.qw, packed.scales)
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert rows_alone_equal_rows_in_batches(lambda r: ops.q8_linear(r, packed.qw, packed.scales), x)
+
+
+def test_q8_packing_refuses_weights_it_would_change() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(64, 576)
+    assert pack_q8_exact(w) is None  # arbitrary floats: not Q8 blocks
+    assert pack_q8_exact(w.bfloat16()) is None
+    q, d = q8_blocks(w)
+    assert (q.abs() <= 127).all() and d.shape == (64, 18)
+
+
+def test_paged_attention_gives_a_token_the_same_bits_however_its_prompt_is_split(ops: CpuOps) -> None:
+    """Whole prefill, chunks after a cached prefix, batched with another request, or
+    as a decode step (one query alone): one query's output is one fixed computation."""
+    torch.manual_seed(0)
+    hq, hkv, d, length = 9, 3, 64, 50
+    k_buf, v_buf = torch.randn(400, hkv, d), torch.randn(400, hkv, d)
+    slots = torch.randperm(399)[: 2 * length] + 1
+    kv_idx = torch.stack([slots[:length], slots[length:]])  # two requests' slots
+    q = torch.randn(length, hq, d)
+
+    def attend(rows: torch.Tensor, req: int, first: int) -> torch.Tensor:
+        n = rows.shape[0]
+        return ops.paged_attention(rows, k_buf, v_buf, kv_idx, torch.full((n,), req), torch.arange(first, first + n) + 1, 0.125)
+
+    whole = attend(q, 0, 0)
+    chunks = torch.cat([attend(q[:17], 0, 0), attend(q[17:40], 0, 17), attend(q[40:], 0, 40)])
+    assert torch.equal(chunks, whole)
+    other = torch.randn(30, hq, d)
+    batched = ops.paged_attention(
+        torch.cat([other, q]), k_buf, v_buf, kv_idx,
+        torch.cat([torch.ones(30, dtype=torch.long), torch.zeros(length, dtype=torch.long)]),
+        torch.cat([torch.arange(30) + 1, torch.arange(length) + 1]), 0.125,
+    )  # fmt: skip
+    assert torch.equal(batched[30:], whole)
+    decode_step = ops.paged_attention(q[-1:], k_buf, v_buf, kv_idx, torch.zeros(1, dtype=torch.long), torch.tensor([length]), 0.125)
+    assert torch.equal(decode_step[0], whole[-1])
+    # The fast decode kernel (the default path) is the same attention, summed in another order.
+    fast = ops.paged_decode(q[-1:], k_buf, v_buf, kv_idx[:1], torch.tensor([length]), 0.125)
+    torch.testing.assert_close(fast[0], whole[-1], rtol=1e-5, atol=1e-5)
+    # and it is attention: causal SDPA over the same keys.
+    keys, values = k_buf[kv_idx[0]].transpose(0, 1)[None], v_buf[kv_idx[0]].transpose(0, 1)[None]
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, is_causal=True, scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(whole, ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_row_ops_match_the_torch_code_they_replace(ops: CpuOps, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x, residual, w = torch.randn(7, 576).to(dtype), torch.randn(7, 576).to(dtype), torch.randn(576).to(dtype)
+    total = x + residual
+    res = residual.clone()
+    out = ops.add_rms_norm_(x, res, w, 1e-5)
+    assert torch.equal(res, total), "the residual stream is updated in place, rounded as torch rounds x + residual"
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, w * F.rms_norm(total.float(), (576,), eps=1e-5).to(dtype), rtol=tol, atol=tol)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), w * F.rms_norm(x.float(), (576,), eps=1e-5).to(dtype), rtol=tol, atol=tol)
+
+    gate_up = torch.randn(5, 3072).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=tol, atol=tol)
+
+    rope = RotaryEmbedding(64, 4096, {"rope_theta": 100000.0, "rope_type": "default"})
+    positions = torch.tensor([0, 5, 77, 4000, 3])
+    qkv = torch.randn(5, 960).to(dtype)
+    inputs = rope(positions)
+    rotated = qkv.clone()
+    ops.rotary_(rotated, positions, inputs.cos_sin_cache, 12, 64)  # 9 q heads + 3 k heads
+    q, k = qkv[:, :576].view(5, 9, 64), qkv[:, 576:768].view(5, 3, 64)
+    torch.testing.assert_close(rotated[:, :576].view(5, 9, 64), apply_rotary(q, inputs.cos, inputs.sin), rtol=tol, atol=tol)
+    torch.testing.assert_close(rotated[:, 576:768].view(5, 3, 64), apply_rotary(k, inputs.cos, inputs.sin), rtol=tol, atol=tol)
+    assert torch.equal(rotated[:, 768:], qkv[:, 768:]), "v is not rotated"
+
+
+def test_the_samplers_row_reductions_are_batch_invariant() -> None:
+    """What the sampler computes per row at temperature 0 (argmax, log_softmax for
+    logprobs, topk for top logprobs) and with a per-request seed (softmax, the seeded
+    exponential race) gives a row the same result alone or in a batch."""
+    from kernels.sampling import sample_no_sync
+
+    torch.manual_seed(0)
+    logits = torch.randn(33, 49152) * 4
+    for m in (1, 2, 7, 33):
+        assert torch.equal(logits[:m].argmax(-1), logits.argmax(-1)[:m])
+        assert torch.equal(torch.log_softmax(logits[:m], -1), torch.log_softmax(logits, -1)[:m])
+        assert torch.equal(torch.log_softmax(logits[:m], -1).topk(5, -1).values, torch.log_softmax(logits, -1).topk(5, -1).values[:m])
+        assert torch.equal(torch.softmax(logits[:m] / 0.7, -1), torch.softmax(logits / 0.7, -1)[:m])
+    probs = torch.softmax(logits, -1)
+    seeded = lambda rows: sample_no_sync(probs[rows], [torch.Generator().manual_seed(100 + r) for r in rows])  # noqa: E731
+    alone = torch.cat([seeded([r]) for r in range(33)])
+    assert torch.equal(seeded(list(range(33))), alone)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_what_the_pools_index_put_writes(ops: CpuOps, kv_dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    qkv = torch.randn(5, 960)
+    k, v = qkv[:, 576:768].view(5, 3, 64), qkv[:, 768:].view(5, 3, 64)  # strided views, as the model passes them
+    loc = torch.tensor([7, 2, 40, 11, 3])
+    k_buf, v_buf = torch.zeros(50, 3, 64, dtype=kv_dtype), torch.zeros(50, 3, 64, dtype=kv_dtype)
+    ops.store_kv(k_buf, v_buf, loc, k, v)
+    k_ref, v_ref = torch.zeros_like(k_buf), torch.zeros_like(v_buf)
+    k_ref[loc], v_ref[loc] = k.to(kv_dtype), v.to(kv_dtype)
+    assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
