@@ -23,12 +23,12 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from bench.paged_rounds import run_in_rounds
     from bench.quant_model import agreement
     from kernels.cpu import load_cpu_ops
     from runtime.model_config import ModelConfig
     from runtime.model_executor.model_loader import load_model, prepare_model_dir
     from runtime.models.cpu_path import bind_cpu_ops
-    from tests.test_models import run_in_rounds
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--windows", type=int, default=24, help="128-token windows of docs text.")

@@ -1,0 +1,87 @@
+"""Teacher forcing over the paged KV pool, run by hand: the model's own forward (extend,
+extend over a cached prefix, mixed, decode) without the engine, for quality checks
+against a reference (`python -m bench.cpu_mode_quality`, tests/test_models.py and the
+quantization tests). Imported lazily by the bench tools, so torch at the top is fine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention.torch_native import TorchNativeBackend
+from runtime.distributed.parallel_state import get_tp_size
+from runtime.layers.linear import kv_heads_per_rank
+from runtime.mem.kv_pool import KVPool
+from runtime.model_config import ModelConfig
+from runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+
+class PagedRequests:
+    """A hand-run request pool: one req_to_token row per request, KV slots handed out
+    in order from 1 (slot 0 is the pool's dummy slot). The KV pool holds this
+    tensor-parallel rank's kv heads."""
+
+    def __init__(self, config: ModelConfig, num_requests: int, max_tokens: int = 128) -> None:
+        kv_heads = kv_heads_per_rank(config.num_kv_heads, get_tp_size())
+        self.pool = KVPool(max_tokens, config.num_layers, kv_heads, config.head_dim, config.dtype, "cpu")
+        self.req_to_token = torch.zeros(num_requests, max_tokens, dtype=torch.int32)
+        self.lens = [0] * num_requests
+        self.next_slot = 1
+        self.backend = TorchNativeBackend()
+
+    def batch(self, new_tokens: dict[int, list[int]]) -> ForwardBatch:
+        rows = [r for r, toks in new_tokens.items() if toks]
+        ids, positions, locs, prefix, extend = [], [], [], [], []
+        for r in rows:
+            n, start = len(new_tokens[r]), self.lens[r]
+            slots = torch.arange(self.next_slot, self.next_slot + n)
+            self.req_to_token[r, start : start + n] = slots.to(torch.int32)
+            self.next_slot += n
+            ids += new_tokens[r]
+            positions += range(start, start + n)
+            locs.append(slots)
+            prefix.append(start)
+            extend.append(n)
+            self.lens[r] += n
+        seq = [p + e for p, e in zip(prefix, extend)]
+        mode = ForwardMode.DECODE if all(e == 1 for e in extend) else ForwardMode.EXTEND
+        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+        fb = ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(rows),
+            input_ids=as_t(ids),
+            positions=as_t(positions),
+            out_cache_loc=torch.cat(locs),
+            req_pool_indices=as_t(rows),
+            seq_lens=as_t(seq),
+            extend_prefix_lens=as_t(prefix),
+            extend_seq_lens=as_t(extend),
+            seq_lens_cpu=seq,
+            extend_prefix_lens_cpu=prefix,
+            extend_seq_lens_cpu=extend,
+            req_to_token=self.req_to_token,
+            kv_pool=self.pool,
+            attn_backend=self.backend,
+        )
+        self.backend.init_forward_metadata(fb)
+        return fb
+
+
+@torch.no_grad()
+def run_in_rounds(
+    model: torch.nn.Module, config: ModelConfig, seqs: list[list[int]], rounds: list[list[int]]
+) -> list[torch.Tensor]:
+    """Feed `rounds[k][i]` more tokens of `seqs[i]` in round k; logits [len, vocab] per sequence."""
+    reqs = PagedRequests(config, len(seqs))
+    fed = [0] * len(seqs)
+    out: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for sizes in rounds:
+        chunk = {i: seqs[i][fed[i] : fed[i] + n] for i, n in enumerate(sizes) if n}
+        fb = reqs.batch(chunk)
+        logits = model.compute_logits(model(fb.input_ids, fb.positions, fb))
+        assert logits.dtype == torch.float32
+        for i, piece in zip(chunk, logits.split(fb.extend_seq_lens_cpu)):
+            out[i].append(piece)
+            fed[i] += len(chunk[i])
+    assert fed == [len(s) for s in seqs], "rounds must cover every token"
+    return [torch.cat(parts) for parts in out]
