@@ -36,8 +36,8 @@ class EngineSettings:
     )
     tokenizer_path: str | None = knob(None, "Tokenizer directory; defaults to the model's.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
-        "auto", "Weights/activations dtype. auto = bfloat16 on CUDA and on CPUs with "
-        "AMX/AVX512-BF16, else float32."
+        "auto", "Weights/activations dtype. auto = float32 when quantization resolves to gguf, else "
+        "bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32."
     )
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
         "auto", "KV cache dtype. auto = the model dtype. bfloat16 under a float32 model halves KV "
@@ -47,7 +47,8 @@ class EngineSettings:
         "auto", "Weight-only quantization of the linear layers (CPU only). int8: per output channel and "
         "int4: groups of 32, packed at load from the float weights; gguf: keep a GGUF file's own "
         "Q4_0/Q4_1/Q8_0 blocks, loaded straight into packed form (with dtype auto: float32 activations). "
-        "auto = gguf for a GGUF model on CPU at tp_size 1, else none. Embedding and LM head stay float."
+        "auto = gguf for a GGUF model on CPU at tp_size 1, else none. Embedding and LM head stay float "
+        "(a float32 LM head that is exactly Q8_0 blocks, as a GGUF's, is read as those blocks by the CPU kernels)."
     )
     device: Literal["auto", "cpu", "cuda"] = knob("auto", "Where the model runs. auto = cuda if available.")
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = knob(
@@ -78,8 +79,9 @@ class EngineSettings:
     enable_mixed_chunk: bool = knob(False, "Let running decodes ride in prefill batches (ForwardMode.MIXED).")
     disable_overlap_schedule: bool = knob(False, "Run each forward inline instead of overlapping with scheduling.")
     enable_deterministic_inference: bool = knob(
-        False, "Temperature-0 output independent of batch composition: batch-invariant linear, attention and "
-        "sampling reductions (same reduction order for a row whatever the batch)."
+        False, "Temperature-0 output (and seeded sampling) independent of batch composition: batch-invariant "
+        "linear and attention (same reduction order for a row whatever the batch); sampling is per row. CPU "
+        "with the compiled kernels only; prefill 2-3x slower. Unseeded temperature > 0 stays batch-dependent."
     )
     # --- structured output ---
     grammar_backend: Literal["xgrammar", "none"] = knob(
@@ -90,7 +92,10 @@ class EngineSettings:
     attention_backend: Literal["auto", "torch", "flashinfer"] = knob(
         "auto", "Attention kernels. auto = flashinfer on CUDA, torch on CPU."
     )
-    disable_cpu_kernels: bool = knob(False, "On CPU, use pure-torch decode attention instead of the compiled C++ kernel.")
+    disable_cpu_kernels: bool = knob(
+        False, "On CPU, run the pure-torch code instead of the compiled C++ kernels (paged decode attention, "
+        "fused RMSNorm/RoPE/SiLU-mul/KV write, the Q8 LM head). enable_deterministic_inference needs them."
+    )
     cuda_graph_max_bs: int | None = knob(None, "Largest decode batch captured in a CUDA graph (CUDA only).")
     disable_cuda_graph: bool = knob(False, "Run decode eagerly on CUDA.")
     # --- tensor parallelism (torch.distributed: gloo on CPU, NCCL on CUDA) ---
@@ -104,7 +109,10 @@ class EngineSettings:
         60.0, "Seconds a collective may wait for a rank before the group is declared dead (a hung or "
         "killed rank turns the server unhealthy and makes it exit non-zero)."
     )
-    num_threads: int | None = knob(None, "torch intra-op threads on CPU. Default: all cores.")
+    num_threads: int | None = knob(
+        None, "torch intra-op threads on CPU. Default: the cores this process may run on (its CPU affinity), "
+        "divided among the node's tensor-parallel ranks."
+    )
     # --- prefill/decode disaggregation (a router pairs a prefill and a decode server) ---
     disaggregation_mode: Literal["null", "prefill", "decode"] = knob(
         "null", "null: one server prefills and decodes. prefill: compute prompts' KV and ship it to "
