@@ -23,7 +23,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from bench.paged_rounds import run_in_rounds
+    from bench.paged_rounds import teacher_forced
     from bench.quant_model import agreement
     from kernels.cpu import load_cpu_ops
     from runtime.model_config import ModelConfig
@@ -41,7 +41,7 @@ def main() -> None:
     ops = load_cpu_ops()
 
     def logits(model: torch.nn.Module, config: ModelConfig) -> torch.Tensor:
-        return torch.cat([run_in_rounds(model, config, [w], [[len(w) - 16]] + [[1]] * 16)[0] for w in windows])
+        return teacher_forced(model, config, windows)
 
     f32 = ModelConfig.from_pretrained(model_dir, torch.float32, context_length=512)
     ref = logits(load_model(model_dir, f32, "auto", "cpu", seed=None), f32)

@@ -62,7 +62,7 @@ def _ids(outs: Any) -> list[Tokens]:
     return [o["output_ids"] for o in outs]
 
 
-def _beside_fillers(engine: Any, fillers: list[Tokens], run: Callable[[], list[Tokens]], n: int) -> list[Tokens]:
+def beside_fillers(engine: Any, fillers: list[Tokens], run: Callable[[], list[Tokens]], n: int) -> list[Tokens]:
     """`run()` once every filler (4n output tokens each) is decoding."""
     done = threading.Event()
 
@@ -92,12 +92,12 @@ def compositions(engine: Any, targets: list[Tokens], fillers: list[Tokens], n: i
     got = _ids(engine.generate(mixed, _greedy(n)))
     out["fillers"] = [got[order.index(i)] for i in range(len(targets))]
     _flush(engine)
-    out["staggered"] = _beside_fillers(engine, fillers, lambda: _ids(engine.generate(targets, _greedy(n))), n)
+    out["staggered"] = beside_fillers(engine, fillers, lambda: _ids(engine.generate(targets, _greedy(n))), n)
     _flush(engine)
     engine.generate([t[: len(t) // 2] for t in targets], _greedy(1))
     out["cached"] = _ids(engine.generate(targets, _greedy(n)))
     _flush(engine)
-    out["trickle"] = _beside_fillers(engine, fillers, lambda: [engine.generate(t, _greedy(n))["output_ids"] for t in targets], n)
+    out["trickle"] = beside_fillers(engine, fillers, lambda: [engine.generate(t, _greedy(n))["output_ids"] for t in targets], n)
     return out
 
 

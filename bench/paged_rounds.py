@@ -85,3 +85,10 @@ def run_in_rounds(
             fed[i] += len(chunk[i])
     assert fed == [len(s) for s in seqs], "rounds must cover every token"
     return [torch.cat(parts) for parts in out]
+
+
+def teacher_forced(model: torch.nn.Module, config: ModelConfig, windows: list[list[int]], decode_steps: int = 16) -> torch.Tensor:
+    """Logits `[sum of lens, vocab]` of each window fed as one prefill of all but its last
+    `decode_steps` tokens, then those one decode step at a time: both paths of a mode."""
+    rounds = lambda w: [[len(w) - decode_steps]] + [[1]] * decode_steps  # noqa: E731
+    return torch.cat([run_in_rounds(model, config, [w], rounds(w))[0] for w in windows])

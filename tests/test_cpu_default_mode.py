@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from bench.paged_rounds import teacher_forced
 from bench.quant_model import HELD_OUT_TEXT, agreement
 from config.settings import EngineSettings
 from kernels.cpu import load_cpu_ops
@@ -26,7 +27,6 @@ from runtime.model_executor.model_loader import load_model
 from runtime.model_executor.resolve import resolve_cpu_threads, resolve_quantization_and_dtype
 from runtime.models.cpu_path import bind_cpu_ops
 from tests.conftest import assert_all_memory_free
-from tests.test_models import run_in_rounds
 
 
 def resolved(model_dir: Path, device: str = "cpu", **knobs: Any) -> tuple[str, torch.dtype]:
@@ -70,13 +70,10 @@ def test_the_default_model_agrees_with_float32_teacher_forced(model_dir: Path, t
     ids = tokenizer.encode(HELD_OUT_TEXT)
     windows = [ids[:128], ids[128:]]
 
-    def logits(model: torch.nn.Module) -> torch.Tensor:
-        return torch.cat([run_in_rounds(model, config, [w], [[len(w) - 16]] + [[1]] * 16)[0] for w in windows])
-
-    ref = logits(load_model(model_dir, config, "auto", "cpu", seed=None))
+    ref = teacher_forced(load_model(model_dir, config, "auto", "cpu", seed=None), config, windows)
     model = load_model(model_dir, config, "auto", "cpu", seed=None, quantization="gguf")
     assert bind_cpu_ops(model, ops) == {"LlamaAttention": 30, "SiluAndMulMLP": 30, "RMSNorm": 61, "q8_lm_head": 1}
-    top1, dlogprob = agreement(logits(model), ref)
+    top1, dlogprob = agreement(teacher_forced(model, config, windows), ref)
     print(f"default vs float32 over {len(ids)} tokens: top-1 {top1:.3f}, mean |delta logprob| {dlogprob:.4f}")
     assert top1 >= 0.98 and dlogprob <= 0.015, (top1, dlogprob)
 

@@ -17,13 +17,11 @@ cached prefix sums in another order than over the whole prompt).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
-import threading
-import time
 from typing import Any
 
 import pytest
 
+from bench.deterministic import beside_fillers
 from tests.conftest import LONG_TEXT, assert_all_memory_free
 
 MAX_NEW = 16
@@ -47,24 +45,6 @@ def empty_cache(engine: Any) -> None:
 
 def ids(outs: Any) -> list[Tokens]:
     return [o["output_ids"] for o in outs]
-
-
-def beside_running(engine: Any, fillers: list[Tokens], run: Callable[[], list[Tokens]]) -> list[Tokens]:
-    """`run()` once every filler is decoding (fillers decode 4x longer than the targets)."""
-    done = threading.Event()
-
-    def decode_fillers() -> None:
-        engine.generate(fillers, greedy(4 * MAX_NEW))
-        done.set()
-
-    thread = threading.Thread(target=decode_fillers, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while engine.num_running_reqs < len(fillers) and not done.is_set() and time.monotonic() < deadline:
-        time.sleep(0.005)  # polls the condition itself
-    out: list[Tokens] = run()
-    thread.join()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +76,7 @@ def test_temperature_0_output_is_independent_of_batch_composition(
     mixed = ids(engine.generate([(targets + fillers)[i] for i in order], greedy()))
     batched["among fillers"] = [mixed[order.index(i)] for i in range(len(targets))]
     empty_cache(engine)
-    batched["beside decodes"] = beside_running(engine, fillers, lambda: ids(engine.generate(targets, greedy())))
+    batched["beside decodes"] = beside_fillers(engine, fillers, lambda: ids(engine.generate(targets, greedy())), MAX_NEW)
     empty_cache(engine)
     halved = [i for i, t in enumerate(targets) if len(t) >= 4]
     engine.generate([targets[i][: len(targets[i]) // 2] for i in halved], greedy(1))
@@ -104,8 +84,8 @@ def test_temperature_0_output_is_independent_of_batch_composition(
     assert all(outs_cached[i]["meta_info"]["cached_tokens"] > 0 for i in halved), "targets should start from a cached half"
     batched["after a cached prefix"] = ids(outs_cached)
     empty_cache(engine)
-    batched["one by one into a batch"] = beside_running(
-        engine, fillers, lambda: [engine.generate(t, greedy())["output_ids"] for t in targets]
+    batched["one by one into a batch"] = beside_fillers(
+        engine, fillers, lambda: [engine.generate(t, greedy())["output_ids"] for t in targets], MAX_NEW
     )
 
     changed = {name: [i for i, (a, b) in enumerate(zip(alone, outs)) if a != b] for name, outs in batched.items()}

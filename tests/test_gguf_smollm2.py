@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from bench.paged_rounds import teacher_forced
 from bench.quant_model import HELD_OUT_TEXT, agreement
 from runtime.layers.linear import LinearBase
 from runtime.layers.quantization import linear_form
@@ -28,7 +29,6 @@ from runtime.model_executor.model_loader import (
 )
 from runtime.model_executor.weight_utils import gguf_tensors
 from tests.conftest import assert_all_memory_free
-from tests.test_models import run_in_rounds
 
 # Teacher-forced over the 222 tokens of HELD_OUT_TEXT (two windows, each 16 decode steps
 # after one prefill), float32 model, against the float32 conversion: measured top-1
@@ -54,14 +54,11 @@ def test_gguf_model_agrees_with_float32_teacher_forced(model_dir: Path, tokenize
     ids = tokenizer.encode(HELD_OUT_TEXT)
     windows = [ids[:128], ids[128:]]
 
-    def logits(model: torch.nn.Module) -> torch.Tensor:
-        return torch.cat([run_in_rounds(model, config, [w], [[len(w) - 16]] + [[1]] * 16)[0] for w in windows])
-
-    ref = logits(load_model(model_dir, config, "auto", "cpu", seed=None))
+    ref = teacher_forced(load_model(model_dir, config, "auto", "cpu", seed=None), config, windows)
     model = load_model(model_dir, config, "auto", "cpu", seed=None, quantization="gguf")
     forms = [linear_form(m) for m in model.modules() if isinstance(m, LinearBase)]
     assert forms == ["int4"] * 120  # 30 layers x (qkv, o, gate_up, down), every one packed
-    top1, dlogprob = agreement(logits(model), ref)
+    top1, dlogprob = agreement(teacher_forced(model, config, windows), ref)
     print(f"gguf vs float32 over {len(ids)} tokens: top-1 agreement {top1:.3f}, mean |delta logprob| {dlogprob:.4f}")
     assert top1 >= TOP1_AGREEMENT and dlogprob <= MEAN_ABS_DLOGPROB, (top1, dlogprob)
 
