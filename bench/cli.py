@@ -22,6 +22,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "quant-linear": ("bench.quant_linear", "Weight-only int8/int4 linear (--quantization) vs fp32/bf16 F.linear per call."),
     "quant-model": ("bench.quant_model", "Quantization modes on the real model: load time, teacher-forced agreement with float32."),
     "gguf-q8-linear": ("bench.gguf_q8_linear", "A Q8_0 GGUF linear as two int4 planes vs int8 per channel and bf16."),
+    "grammar": ("bench.grammar", "Structured output: decode throughput with vs without a JSON-schema grammar; compile time."),
     "kv-transfer": ("bench.kv_transfer", "Prefill/decode KV transfer over loopback: tcp and gloo backends vs a plain socket copy."),
     "all-reduce": ("bench.all_reduce", "Tensor-parallel collectives: all-reduce latency, and their share of a decode step."),
     "scheduler-overhead": ("bench.scheduler_overhead", "The real Scheduler with a stub forward: CPU time per round."),

@@ -5,6 +5,7 @@ backend, CUDA-graph batch sizes."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 from pathlib import Path
 
@@ -84,6 +85,10 @@ def resolve_settings(settings: EngineSettings, device: str, config: ModelConfig,
     `kv_heads` is what this rank's KV pool holds (all of them below tp_size 2)."""
     per_token = KVPool.bytes_per_token(config.num_layers, kv_heads, config.head_dim, config.kv_dtype)
     if device == "cuda":
+        # Memory an earlier engine of this process freed may still sit in unreachable
+        # cycles or in torch's caching allocator, where mem_get_info counts it as used.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         gpu = gpu_memory_defaults(
             total, settings.chunked_prefill_size, settings.cuda_graph_max_bs, settings.mem_fraction_static, settings.max_prefill_tokens

@@ -15,6 +15,7 @@ graph runner's padding be checked on machines without a GPU.
 
 from __future__ import annotations
 
+import os
 import shutil
 import types
 from pathlib import Path
@@ -47,7 +48,10 @@ def write_model_dir(path: Path, **overrides: Any) -> Path:
 
     from runtime.model_executor.model_loader import COMPLETE_MARKER, prepare_model_dir
 
-    src = prepare_model_dir(None, "auto")
+    # SLUICE_TOKENIZER_DIR: a folder with the tokenizer files, for GPU machines that
+    # lack the embedded GGUF (it is too large to carry to a lent machine).
+    tok_dir = os.environ.get("SLUICE_TOKENIZER_DIR")
+    src = Path(tok_dir) if tok_dir else prepare_model_dir(None, "auto")
     path.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", COMPLETE_MARKER):

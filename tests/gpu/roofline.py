@@ -97,7 +97,7 @@ def measure(name: str, cfg: dict[str, Any], args: argparse.Namespace, bw: float,
             disable_cuda_graph=args.disable_cuda_graph, disable_overlap_schedule=args.disable_overlap,
         )  # fmt: skip
     try:
-        model = engine.runner.model
+        model = engine.worker.model  # the ModelRunner at tp_size 1
         gen = torch.Generator().manual_seed(0)
         ids = lambda n: torch.randint(0, 49152, (n,), generator=gen).tolist()  # noqa: E731
         greedy = dict(temperature=0.0, ignore_eos=True)

@@ -106,7 +106,7 @@ def run_variant(model_dir: Path, page_size: int, overrides: dict[str, Any]) -> l
 
     engine = Engine(model_path=str(model_dir), page_size=page_size, **{**ENGINE, **overrides})
     try:
-        graph_runner = getattr(engine.runner, "graph_runner", None)
+        graph_runner = getattr(engine.worker, "graph_runner", None)
         replays = [0]
         if not overrides.get("disable_cuda_graph"):
             assert graph_runner is not None, "CUDA graphs are not wired into ModelRunner (see docs/gpu.md, the wiring patch)"
@@ -155,3 +155,21 @@ def test_engine_defaults_on_cuda_pick_flashinfer_bf16_and_graphs(tiny_model_dir:
         assert_all_memory_free(engine)
     finally:
         engine.shutdown()
+
+
+def test_a_second_engine_in_one_process_gets_the_memory_the_first_gave_back(tiny_model_dir: Path) -> None:
+    """Offline users (and `sluice bench offline --ab`) build engines one after another:
+    the KV pool is sized from free GPU memory, so the first engine's must be free."""
+    from runtime import Engine
+
+    sizes = []
+    for _ in range(2):
+        engine = Engine(model_path=str(tiny_model_dir), load_format="dummy")
+        try:
+            sizes.append(engine.pools.max_total_num_tokens)
+            out = engine.generate([1, 2, 3], dict(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+            assert isinstance(out, dict) and len(out["output_ids"]) == 4
+        finally:
+            engine.shutdown()
+        del engine
+    assert sizes[1] >= 0.95 * sizes[0], sizes
