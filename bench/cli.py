@@ -28,6 +28,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "scheduler-overhead": ("bench.scheduler_overhead", "The real Scheduler with a stub forward: CPU time per round."),
     "chunked-itl": ("bench.chunked_itl", "Inter-token latency of running streams while a long prompt arrives."),
     "decode-attention": ("bench.decode_attention", "One decode step's attention: CPU kernel (fp32/bf16 KV) vs torch."),
+    "embeddings": ("bench.embeddings", "Embeddings per second of an --is-embedding engine (or server) at batch sizes 1 and 64."),
 }
 
 

@@ -283,3 +283,18 @@ def test_an_embedding_server_reports_itself_and_frees_every_slot(embedding_serve
     info = embedding_server.wait_all_kv_free()
     assert info["available_kv_tokens"] == info["max_total_num_tokens"], info
     assert info["req_pool_free_rows"] == info["req_pool_size"], info
+
+
+def test_the_embeddings_bench_reports_every_batch_size(qwen3_embedding_dir: Path, tmp_path: Path) -> None:
+    from app.cli import build_parser
+    from bench.embeddings import run
+
+    out = tmp_path / "embeddings.jsonl"
+    ns = build_parser().parse_args([
+        "bench", "embeddings", "--model-path", str(qwen3_embedding_dir), "--batch-sizes", "1", "4", "--input-len", "16",
+        "--inputs-per-size", "8", "--dtype", "float32", "--max-total-tokens", "4096", "--output-file", str(out),
+    ])
+    records = run(ns)
+    assert [(r["batch_size"], r["inputs"]) for r in records] == [(1, 8), (4, 8)]
+    assert all(r["embeddings_per_s"] > 0 and r["input_tokens_per_s"] == pytest.approx(16 * r["embeddings_per_s"]) for r in records)
+    assert len(out.read_text().splitlines()) == 2
