@@ -23,16 +23,14 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, cast
+from typing import Literal, Protocol, cast
 
 import structlog
 import torch
 
 from config.settings import EngineSettings, SettingsError
+from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.worker import BatchResult, ModelWorkerBatch
-
-if TYPE_CHECKING:
-    from runtime.model_executor.model_runner import ModelRunner
 
 log = structlog.get_logger("sluice.engine")
 
@@ -51,6 +49,15 @@ _ST_KNOWN = ("Transformer", "Pooling", "Normalize")
 
 def _no_partials() -> torch.Tensor:
     return torch.empty(0, 0)
+
+
+class Runner(Protocol):
+    """What of the ModelRunner an embedding forward uses (model_runner.py holds a Pooler)."""
+
+    model: torch.nn.Module
+    stream: torch.cuda.Stream | None
+
+    def build_forward_batch(self, mwb: ModelWorkerBatch) -> ForwardBatch: ...
 
 
 @dataclass(slots=True)
@@ -122,7 +129,7 @@ class Pooler:
         return torch.zeros(bs, hidden.shape[1], dtype=torch.float32, device=hidden.device).index_add_(0, owner, hidden.float())
 
     @torch.inference_mode()
-    def forward(self, runner: ModelRunner, mwb: ModelWorkerBatch) -> EmbeddingResult:
+    def forward(self, runner: Runner, mwb: ModelWorkerBatch) -> EmbeddingResult:
         """One embedding batch on the runner's worker thread; waits for the device (no
         decode runs beside it to overlap with)."""
         assert not mwb.forward_mode.is_decode(), "an embedding server never decodes"
