@@ -9,6 +9,7 @@ every KV slot and request row is free again.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,8 @@ from runtime.errors import InvalidRequest
 from runtime.model_executor.forward_batch import ForwardMode
 from runtime.model_executor.pooler import resolve_pooling, sentence_transformers_pooling
 from runtime.model_executor.stub_worker import embedding_reference
-from tests.stub_engine import CONFIGS, OVERLAP, abort_when, make_prompts, record_forwards
+from tests.conftest import assert_all_memory_free
+from tests.stub_engine import CONFIGS, OVERLAP, abort_when, make_prompts, pause_when, record_forwards
 
 POOLINGS = ("last", "mean", "cls")
 # The stub's partials are float32 sums: combining them over chunks rounds differently
@@ -103,6 +105,26 @@ async def test_abort_mid_chunked_input_ends_it_and_frees_its_chunks(overlap: boo
     out = await engine.async_encode(long_prompt, rid="long")
     assert out["embedding"] is None and out["meta_info"]["finish_reason"]["type"] == "abort"
     assert_embeddings([await engine.async_encode(short)], [short], "mean")  # serving goes on
+
+
+async def test_cancelling_an_encode_caller_mid_chunks_aborts_it_and_frees_its_memory(make_stub: Callable[..., Engine]) -> None:
+    engine = make_stub(is_embedding=True, pooling="mean", chunked_prefill_size=16)
+    long_prompt, short = make_prompts([400, 20], seed=13)
+
+    def second_chunk(mwb: Any) -> bool:
+        req = engine.scheduler.reqs_by_rid.get("c")
+        return req is not None and req.req_pool_idx in mwb.req_pool_indices and mwb.extend_prefix_lens[0] > 0
+
+    pause = pause_when(engine, second_chunk)
+    caller = asyncio.ensure_future(engine.async_encode(long_prompt, rid="c"))
+    assert await asyncio.to_thread(pause.reached.wait, 30)
+    caller.cancel()  # what a client that disconnects from /v1/embeddings does
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    pause.release.set()
+    assert_all_memory_free(engine)
+    assert engine.get_server_info()["num_aborted_requests_total"] == 1
+    assert_embeddings([await engine.async_encode(short)], [short], "mean")
 
 
 def test_generation_and_embedding_requests_are_refused_on_the_other_kind_of_engine(make_stub: Callable[..., Engine]) -> None:
