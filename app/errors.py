@@ -82,6 +82,7 @@ def from_invalid_request(exc: InvalidRequest) -> APIError:
 # What a union-typed field accepts, said once instead of one error per union branch.
 UNION_HINTS: dict[str, str] = {
     "prompt": "a non-empty string, a non-empty list of token ids, a list of strings, or a list of token-id lists",
+    "input": "a non-empty string, a list of non-empty strings, a non-empty list of token ids, or a list of token-id lists",
     "stop": "a non-empty string or a list of non-empty strings",
     "content": "a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
 }

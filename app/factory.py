@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app import routes_chat, routes_completions, routes_dashboard, routes_misc, routes_native, routes_trace
+from app import routes_chat, routes_completions, routes_dashboard, routes_embeddings, routes_misc, routes_native, routes_trace
 from app.errors import EXCEPTION_HANDLERS
 from app.lifecycle import EngineFactory, default_engine_factory, make_lifespan
 from app.middleware import AuthMiddleware, BodyLimitMiddleware
@@ -26,11 +26,13 @@ def create_app(state: AppState, engine_factory: EngineFactory = default_engine_f
     routes = [
         Route("/v1/completions", routes_completions.create_completion, methods=["POST"]),
         Route("/v1/chat/completions", routes_chat.create_chat_completion, methods=["POST"]),
+        Route("/v1/embeddings", routes_embeddings.create_embedding, methods=["POST"]),
         Route("/v1/models", routes_misc.list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", routes_misc.retrieve_model, methods=["GET"]),
         Route("/v1/tokenize", routes_misc.tokenize, methods=["POST"]),
         Route("/v1/detokenize", routes_misc.detokenize, methods=["POST"]),
         Route("/generate", routes_native.generate, methods=["POST"]),
+        Route("/encode", routes_embeddings.encode, methods=["POST"]),
         Route("/abort_request", routes_native.abort_request, methods=["POST"]),
         Route("/flush_cache", routes_native.flush_cache, methods=["POST", "GET"]),
         Route("/get_model_info", routes_native.get_model_info, methods=["GET"]),

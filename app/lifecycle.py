@@ -42,6 +42,9 @@ def default_engine_factory(settings: EngineSettings) -> Engine:
 
 async def _warm_up(state: AppState) -> None:
     engine = state.ready_engine()
+    if engine.settings.is_embedding:
+        await engine.async_encode([0])
+        return
     await engine.async_generate([0], SamplingParams(max_new_tokens=1, temperature=0.0), bootstrap=engine.self_check_bootstrap())
 
 

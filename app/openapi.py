@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from app.embedding_protocol import EmbeddingRequest, EncodeRequest
 from app.native_protocol import (
     AbortRequest,
     DetokenizeRequest,
@@ -24,11 +25,13 @@ from app.protocol import ChatCompletionRequest, CompletionRequest
 ROUTES: tuple[tuple[str, str, type[BaseModel] | None, str], ...] = (
     ("post", "/v1/completions", CompletionRequest, "OpenAI completions (stream with SSE)."),
     ("post", "/v1/chat/completions", ChatCompletionRequest, "OpenAI chat completions (stream with SSE)."),
+    ("post", "/v1/embeddings", EmbeddingRequest, "OpenAI embeddings (an --is-embedding server; 400 otherwise)."),
     ("get", "/v1/models", None, "The served model."),
     ("get", "/v1/models/{model_id}", None, "One model, 404 if it is not served."),
     ("post", "/v1/tokenize", TokenizeRequest, "Tokenize a prompt or chat messages."),
     ("post", "/v1/detokenize", DetokenizeRequest, "Token ids to text."),
     ("post", "/generate", GenerateRequest, "Native generation (SGLang style)."),
+    ("post", "/encode", EncodeRequest, "Native embeddings, SGLang style (an --is-embedding server; 400 otherwise)."),
     ("post", "/abort_request", AbortRequest, "Abort one request or all."),
     ("post", "/flush_cache", None, "Flush the prefix cache (400 while requests run)."),
     ("get", "/health", None, "Liveness/readiness (503 while starting or draining)."),

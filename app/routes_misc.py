@@ -53,7 +53,10 @@ async def health_generate(request: Request) -> Response:
     params = SamplingParams(max_new_tokens=1, temperature=0.0)
     try:
         # Cancelling the awaiting task aborts the request (engine contract).
-        generate = engine.async_generate([0], params, rid=rid, bootstrap=engine.self_check_bootstrap())
+        if engine.settings.is_embedding:  # (an embedding server answers with one embedding)
+            generate = engine.async_encode([0], rid=rid)
+        else:
+            generate = engine.async_generate([0], params, rid=rid, bootstrap=engine.self_check_bootstrap())
         await asyncio.wait_for(generate, state.server.health_generate_timeout)
     except TimeoutError:
         engine.abort(rid)

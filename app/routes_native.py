@@ -100,7 +100,7 @@ async def get_model_info(request: Request) -> Response:
     return JSONResponse({
         "model_path": model_path,
         "tokenizer_path": engine.settings.tokenizer_path or model_path,
-        "is_generation": True,
+        "is_generation": not engine.settings.is_embedding,
         "served_model_name": state.model_name,
     })
 

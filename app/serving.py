@@ -102,6 +102,9 @@ async def serve_generation(request: Request, body_model: type[B], plan: Planner[
     state = app_state(request)
     body = await parse_body(request, body_model)
     check_model(state, body.requested_model())
+    if state.ready_engine().settings.is_embedding:  # as SGLang: an embedding server does not generate
+        raise APIError(400, "This server runs an embedding model (--is-embedding): it serves /v1/embeddings and "
+                            "/encode, not generation.", code="embedding_model")
     tokens = state.tokenizer()
     ticket = state.admit()
     try:

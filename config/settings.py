@@ -56,6 +56,13 @@ class EngineSettings:
     )
     context_length: int | None = knob(None, "Max tokens per request (prompt + output). Default: the model's.")
     random_seed: int | None = knob(None, "Seed for dummy weights and for sampling without a per-request seed.")
+    is_embedding: bool = knob(
+        False, "Serve the model as an embedding model: /v1/embeddings and /encode answer, generation routes answer 400."
+    )
+    pooling: Literal["auto", "last", "mean", "cls"] = knob(
+        "auto", "How an embedding server pools the final hidden states (then L2-normalizes). auto = the model "
+        "dir's sentence-transformers 1_Pooling/config.json, else last (Qwen3-Embedding style)."
+    )
     # --- memory ---
     max_running_requests: int | None = knob(None, "Rows of the request pool (max concurrently running requests).")
     max_total_tokens: int | None = knob(None, "KV pool size in tokens. Default on CPU: from a memory budget.")
@@ -212,6 +219,8 @@ def validate(s: EngineSettings | ServerSettings) -> None:
         _check_min("disaggregation_timeout", s.disaggregation_timeout, 0.1, allow_none=False)
         if s.disaggregation_mode != "null" and s.tp_size > 1:
             raise SettingsError("disaggregation_mode prefill/decode needs tp_size 1: sharded KV is not transferred")
+        if s.is_embedding and (s.tp_size > 1 or s.disaggregation_mode != "null"):
+            raise SettingsError("is_embedding needs tp_size 1 and disaggregation_mode null (not supported together yet)")
         if s.device == "cpu" and s.attention_backend == "flashinfer":
             raise SettingsError("attention_backend=flashinfer needs device=cuda")
     else:

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 from config.settings import EngineSettings
 from runtime import disaggregation, engine_setup
+from runtime.engine_encode import EncodeAPI, Prompt
 from runtime.engine_setup import EngineStack
 from runtime.errors import InvalidRequest
 from runtime.managers import trace_view
@@ -27,15 +28,14 @@ from runtime.constrained import GrammarBackend
 from runtime.managers.grammar_manager import GrammarManager
 from runtime.managers.scheduler import Scheduler
 from runtime.managers.scheduler_loop import SchedulerLoop
-from runtime.managers.scheduler_output import OutputProcessor
+from runtime.managers.embedding_manager import output_processor
 from runtime.managers.tokenizer_manager import RequestLimits, SamplingInput, make_req
 from runtime.managers.trace import TraceOptions
 
-Prompt = str | list[int]
 Delivery = GenerateOutput | InvalidRequest  # what a request's queue carries to its caller
 
 
-class Engine:
+class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
     def __init__(self, settings: EngineSettings | None = None, *, stack: EngineStack | None = None, **overrides: Any) -> None:
         """Load the model for `settings` (with `overrides` applied), or run on a prebuilt
         `stack` (tests and benchmarks pass one around a stub worker)."""
@@ -54,7 +54,7 @@ class Engine:
         self._fatal_listeners: list[Callable[[str], None]] = []
         if self.tp is not None:
             self.tp.group.on_failure = self._on_fatal
-        self.output = OutputProcessor(self.tokenizer)
+        self.output = output_processor(self.settings, self.tokenizer)  # an embedding server's hands out vectors
         self.scheduler = Scheduler(self.settings, self.pools, self.worker, self.output)
         self.scheduler_loop = SchedulerLoop(self.scheduler)
         self.trace_exporter = trace_view.export_to(self.scheduler, self.settings.otlp_traces_endpoint)
@@ -161,8 +161,8 @@ class Engine:
         bootstrap: BootstrapInfo | None,
     ) -> Req:
         limits = RequestLimits(
-            self.model_config.context_len, self.model_config.vocab_size,
-            self.pools.max_total_num_tokens - self.settings.page_size, self.model_config.eos_token_ids, self.worker.device,
+            self.model_config.context_len, self.model_config.vocab_size, self.pools.max_total_num_tokens - self.settings.page_size,
+            self.model_config.eos_token_ids, self.worker.device, self.settings.is_embedding,
         )
         if bootstrap is None and disaggregation.needs_bootstrap(self.settings):
             raise InvalidRequest(

@@ -18,6 +18,7 @@ from runtime.mem.kv_pool import KVPool
 from runtime.mem.pools import MemoryPools
 from runtime.model_config import ModelConfig
 from runtime.model_executor.model_loader import prepare_model_dir
+from runtime.model_executor.pooler import pooler_for, resolve_pooling
 from runtime.model_executor.resolve import resolve_settings
 from runtime.layers.linear import kv_heads_per_rank
 from runtime.model_executor.shard import build_shard, check_tp_size
@@ -82,12 +83,14 @@ def build_stub(
     model_dir = prepare_model_dir(settings.model_path, settings.load_format)
     config = ModelConfig.from_pretrained(model_dir, torch.float32, settings.context_length)
     settings = resolve_settings(dataclasses.replace(settings, device="cpu"), "cpu", config, config.num_kv_heads)
+    settings = resolve_pooling(settings, model_dir)
     if tokenizer is None:  # reading it is most of this function's time: tests pass one in
         tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or model_dir)
     pools = _pools(settings, config)
     assert settings.max_total_tokens
     worker = StubWorker(
-        pools.num_rows, config.context_len, settings.max_total_tokens + settings.page_size, config.vocab_size, constant_token=constant_token
+        pools.num_rows, config.context_len, settings.max_total_tokens + settings.page_size, config.vocab_size,
+        constant_token=constant_token, pooler=pooler_for(settings),
     )
     return EngineStack(settings, config, tokenizer, pools, worker, str(model_dir))
 

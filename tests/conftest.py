@@ -179,6 +179,7 @@ SLOW_FIXTURES = frozenset(
         "server", "servers", "limited", "offline_engine", "tiny_server", "cluster",  # server suites, test_bench.py
         "tp_engine", "tp_logits",  # test_tp.py, test_tp_layers.py
         "traced_server",  # test_server_trace.py, test_dashboard_browser.py
+        "qwen3_embedding_dir", "embedding_server",  # test_embeddings.py (a saved HF model, a server)
     }
 )
 # Slow without any of those fixtures: node ids (parameters aside), or a file for all its tests.

@@ -15,6 +15,7 @@ import structlog
 
 from config.settings import EngineSettings
 from runtime.managers.decode_manager import DecodeManager
+from runtime.managers.embedding_manager import EmbeddingManager
 from runtime.managers.disagg_hooks import Disaggregation
 from runtime.managers.grammar_manager import GrammarManager
 from runtime.managers.prefill_manager import PrefillManager
@@ -25,6 +26,7 @@ from runtime.managers.scheduler_stats import LoadSnapshot, SchedulerStats
 from runtime.managers.trace import TraceStore
 from runtime.mem.pools import MemoryPools
 from runtime.model_executor.future_map import FutureMap
+from runtime.model_executor.pooler import EmbeddingResult
 from runtime.model_executor.worker import BatchResult, Worker
 
 log = structlog.get_logger("sluice.scheduler")
@@ -59,6 +61,7 @@ class Scheduler:
         self.traces = TraceStore(settings.trace_buffer_size)  # finished requests' timelines (trace.py)
         self.disagg: Disaggregation | None = None  # set by the engine in prefill/decode mode
         self.grammars: GrammarManager | None = None  # set by the engine with --grammar-backend xgrammar
+        self.embeddings = EmbeddingManager(settings.pooling, self.finish) if settings.is_embedding else None
 
         self._wake = asyncio.Event()
         self.inflight = 0  # forwards launched but not yet processed (SchedulerLoop sets it)
@@ -305,6 +308,8 @@ class Scheduler:
 
     # ---- results ------------------------------------------------------------------------------
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        if self.embeddings is not None and isinstance(result, EmbeddingResult):
+            return self.embeddings.process(batch, result)  # an embedding server samples nothing
         token_pos = num_tokens = 0
         n_extend = batch.batch_size() - len(batch.decoding_reqs) if batch.forward_mode.is_extend() else 0
         output = self.output

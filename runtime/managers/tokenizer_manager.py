@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from runtime.errors import InvalidRequest
+from runtime.managers.embedding_manager import EMBEDDING, EmbeddingParams, EmbeddingReq
 from runtime.managers.req import Req
 from runtime.sampling_params import DEFAULT_MAX_NEW_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
 
@@ -22,6 +23,7 @@ class RequestLimits:
     kv_tokens: int  # prompt + output tokens one request may hold in the KV pool
     eos_token_ids: tuple[int, ...]
     device: torch.device
+    is_embedding: bool = False  # an --is-embedding server takes embedding requests only
 
 
 def sampling_params(params: SamplingInput, room: int) -> SamplingParams:
@@ -38,14 +40,40 @@ def sampling_params(params: SamplingInput, room: int) -> SamplingParams:
     return SamplingParams.from_dict(values)
 
 
-def make_req(
-    ids: list[int], params: SamplingInput, rid: str, return_logprob: bool, top_logprobs_num: int, limits: RequestLimits
-) -> Req:
-    ctx, n = limits.context_len, len(ids)
+def _check_ids(ids: list[int], limits: RequestLimits) -> None:
     if not ids:
         raise InvalidRequest("the prompt is empty", param="prompt")
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limits.vocab_size for t in ids):
         raise InvalidRequest(f"token ids must be integers in [0, {limits.vocab_size})", param="prompt")
+
+
+def make_embedding_req(ids: list[int], params: SamplingInput, rid: str, limits: RequestLimits) -> EmbeddingReq:
+    """An embedding request (params `EMBEDDING`) for an --is-embedding server; either
+    kind of request on the other kind of server is refused."""
+    if not limits.is_embedding:
+        raise InvalidRequest("This server runs a generation model: embeddings need a server started with "
+                             "--is-embedding.", param="input")
+    if not isinstance(params, EmbeddingParams):
+        raise InvalidRequest("This server runs an embedding model (--is-embedding): it serves /v1/embeddings "
+                             "and /encode, not generation.", param="model")
+    _check_ids(ids, limits)
+    n = len(ids)
+    if n >= limits.context_len:  # SGLang's bound: one position stays free, as for a prompt
+        raise InvalidRequest(f"The input ({n} tokens) is longer than the model's context length "
+                             f"({limits.context_len} tokens).", param="input")
+    if n + EMBEDDING.max_new_tokens > limits.kv_tokens:  # (admission reserves that one step)
+        raise InvalidRequest(f"The input ({n} tokens) does not fit the KV cache ({limits.kv_tokens} tokens for one "
+                             "request).", param="input")
+    return EmbeddingReq(rid, ids)
+
+
+def make_req(
+    ids: list[int], params: SamplingInput, rid: str, return_logprob: bool, top_logprobs_num: int, limits: RequestLimits
+) -> Req:
+    if limits.is_embedding or isinstance(params, EmbeddingParams):
+        return make_embedding_req(ids, params, rid, limits)
+    ctx, n = limits.context_len, len(ids)
+    _check_ids(ids, limits)
     if n >= ctx:
         raise InvalidRequest(f"This model's maximum context length is {ctx} tokens. However, the prompt has {n} "
                              "tokens, which leaves no room for the completion.", param="prompt")

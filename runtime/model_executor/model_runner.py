@@ -34,6 +34,7 @@ from runtime.models.cpu_path import bind_cpu_ops, make_batch_invariant
 if TYPE_CHECKING:
     from kernels.cpu import CpuOps
     from runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+    from runtime.model_executor.pooler import Pooler
     from runtime.model_executor.tp_channel import BatchChannel
 
 log = structlog.get_logger("sluice.engine")
@@ -69,6 +70,7 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = None  # set by engine_setup on CUDA
         self.tp_channel: BatchChannel | None = None  # rank 0 of a tensor-parallel group
         self.on_tp_failure: Callable[[str], None] | None = None
+        self.pooler: Pooler | None = None  # an --is-embedding server's (set by build_shard): no sampling
         self.stream: torch.cuda.Stream | None = None
         self._d2h: ThreadPoolExecutor | None = None
         if self.device.type == "cuda":
@@ -218,6 +220,8 @@ class ModelRunner:
     def launch(self, executor: Executor, mwb: ModelWorkerBatch) -> Future[BatchResult]:
         """The scheduler's entry point. On CUDA the worker thread is free again once
         the batch is enqueued; the d2h thread completes the future when its copies land."""
+        if self.pooler is not None:  # embedding server: pooled hidden states (pooler.py)
+            return executor.submit(self.pooler.forward, self, mwb)
         if self.stream is None or self._d2h is None:
             return executor.submit(self.forward_batch_generation, mwb)
         result: Future[BatchResult] = Future()

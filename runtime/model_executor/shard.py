@@ -26,6 +26,7 @@ from runtime.mem.pools import MemoryPools
 from runtime.model_config import ModelConfig
 from runtime.model_executor.model_loader import load_model, prepare_model_dir
 from runtime.model_executor.model_runner import ModelRunner
+from runtime.model_executor.pooler import pooler_for, resolve_pooling
 from runtime.model_executor.resolve import resolve_cpu_threads, resolve_device, resolve_quantization_and_dtype, resolve_settings
 
 log = structlog.get_logger("sluice.engine")
@@ -80,7 +81,7 @@ def build_shard(settings: EngineSettings, rank: int, init_method: str | None) ->
     config = ModelConfig.from_pretrained(model_dir, dtype, settings.context_length, settings.kv_cache_dtype)
     kv_heads = kv_heads_per_rank(config.num_kv_heads, tp)
     model = load_model(model_dir, config, settings.load_format, str(dev), settings.random_seed, quantization)
-    settings = _agree_min(resolve_settings(settings, device, config, kv_heads), dev)
+    settings = _agree_min(resolve_pooling(resolve_settings(settings, device, config, kv_heads), model_dir), dev)
     assert settings.max_total_tokens and settings.max_running_requests
     kv_pool = KVPool(settings.max_total_tokens + settings.page_size, config.num_layers, kv_heads, config.head_dim, config.kv_dtype, dev)
     use_kernels = device == "cpu" and not settings.disable_cpu_kernels
@@ -94,6 +95,7 @@ def build_shard(settings: EngineSettings, rank: int, init_method: str | None) ->
     runner = ModelRunner(
         model, kv_pool, backend, rows, config.context_len, config.vocab_size, dev, cpu_ops=cpu_ops, deterministic=deterministic
     )
+    runner.pooler = pooler_for(settings)
     graphs = device == "cuda" and settings.attention_backend == "flashinfer" and not settings.disable_cuda_graph
     if graphs and settings.cuda_graph_max_bs and tp == 1:  # graphs around collectives: not yet
         from runtime.model_executor.cuda_graph_runner import CudaGraphRunner

@@ -15,6 +15,7 @@ from concurrent.futures import Executor, Future
 import torch
 
 from runtime.model_executor.future_map import FutureMap
+from runtime.model_executor.pooler import EmbeddingResult, Pooler, PoolingMethod
 from runtime.model_executor.worker import BatchResult, ModelWorkerBatch, write_req_to_token
 
 _MULT = 0x9E3779B1  # Knuth's multiplicative hash constant
@@ -43,10 +44,33 @@ def greedy_reference(prompt: list[int], max_new_tokens: int, vocab_size: int, st
     return out
 
 
+STUB_HIDDEN_SIZE = 8  # of the stub's "hidden states" on an embedding server
+
+
+def stub_hidden_states(tokens: list[int]) -> torch.Tensor:
+    """The stub's final hidden states `[len(tokens), STUB_HIDDEN_SIZE]`: position p's is a
+    function of `tokens[: p + 1]` (causal, as a real model's are), from the same hash."""
+    h, rows = 0, []
+    for t in tokens:
+        h = (h * _MULT + t + 1) % _PRIME
+        rows.append([((h >> (7 * j)) & 127) / 64.0 - 1.0 for j in range(STUB_HIDDEN_SIZE)])
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(tokens), STUB_HIDDEN_SIZE)
+
+
+def embedding_reference(prompt: list[int], method: PoolingMethod) -> list[float]:
+    """What any correct scheduler must answer for `prompt` on an embedding StubWorker."""
+    hidden = stub_hidden_states(prompt)
+    pooled = {"last": hidden[-1], "cls": hidden[0], "mean": hidden.mean(0)}[method]
+    return torch.nn.functional.normalize(pooled, dim=0).tolist()
+
+
 class StubWorker:
     """Forwards in launch order on the executor; logprobs are `-rank/10` of fake top ids."""
 
-    def __init__(self, num_rows: int, context_len: int, num_kv_slots: int, vocab_size: int, *, constant_token: int | None = None) -> None:
+    def __init__(
+        self, num_rows: int, context_len: int, num_kv_slots: int, vocab_size: int, *, constant_token: int | None = None,
+        pooler: Pooler | None = None,
+    ) -> None:
         self.device = torch.device("cpu")
         self.vocab_size = vocab_size
         # constant_token: answer every request with it and skip the KV reads (the
@@ -55,6 +79,7 @@ class StubWorker:
         self.req_to_token = torch.zeros((num_rows, context_len), dtype=torch.int32)
         self.kv_tokens = torch.full((num_kv_slots + 1,), -1, dtype=torch.int64)
         self.futures: FutureMap | None = None
+        self.pooler = pooler  # an embedding server's: answer pooled stub_hidden_states
         self.forwards = 0
 
     def attach_future_map(self, futures: FutureMap) -> None:
@@ -83,11 +108,17 @@ class StubWorker:
         assert bool((input_ids >= 0).all()), "an unresolved future id reached the forward"
         write_req_to_token(self.req_to_token, mwb, mwb.out_cache_loc, self._upload)
         self.kv_tokens[mwb.out_cache_loc] = input_ids
-        tokens = []
-        for row, seq_len in zip(mwb.req_pool_indices, mwb.seq_lens):
+        tokens, hidden = [], []
+        for row, seq_len, prefix in zip(mwb.req_pool_indices, mwb.seq_lens, mwb.extend_prefix_lens):
             seq = self.kv_tokens[self.req_to_token[row, :seq_len].to(torch.int64)].tolist()
             assert -1 not in seq, f"row {row} reads a KV slot nothing wrote"
+            if self.pooler is not None:
+                hidden.append(stub_hidden_states(seq)[prefix:])
+                continue
             tokens.append(next_token(seq, self.vocab_size))
+        if self.pooler is not None:
+            partials = self.pooler.partials(torch.cat(hidden), torch.tensor(mwb.extend_seq_lens))
+            return EmbeddingResult(next_token_ids=[], partials=partials)
         out = torch.tensor(tokens, dtype=torch.int64)
         self.futures.store(mwb.future_ids, out)
         if not mwb.return_logprob:

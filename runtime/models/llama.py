@@ -173,6 +173,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints store a copy; the embedding is the source
+            if not name.startswith(("model.", "lm_head.")):  # a base-model checkpoint (Qwen3-Embedding's)
+                name = f"model.{name}"
             module_path, _, param_name = name.rpartition(".")
             parent, _, proj = module_path.rpartition(".")
             shard_id: ShardId = None
