@@ -122,8 +122,6 @@ def run(args: argparse.Namespace, overlap: bool, model_dir: Path) -> dict[str, A
         }
     finally:
         engine.shutdown()
-        del engine
-        torch.cuda.empty_cache()
 
 
 def main() -> None:
