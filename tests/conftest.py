@@ -175,7 +175,7 @@ SLOW_FIXTURES = frozenset(
     {
         "hf_oracle", "make_engine", "make_module_engine", "smollm2",  # conftest.py, test_models.py
         "server", "servers", "limited", "offline_engine", "tiny_server", "cluster",  # server suites, test_bench.py
-        "tp_engine", "tp_logits",  # test_tp.py, test_tp_layers.py
+        "tp_engine", "tp_logits", "pd_tp",  # test_tp.py, test_tp_layers.py, test_pd_tp.py
         "traced_server",  # test_server_trace.py, test_dashboard_browser.py
     }
 )
@@ -186,6 +186,7 @@ SLOW_TESTS = frozenset(
         "tests/test_bench_tp.py::test_all_reduce_bench_reports_latencies_and_the_collective_share",  # spawns TP ranks
         "tests/test_models.py::test_gguf_q_k_rows_are_unpermuted_to_hf_layout",  # reads the real GGUF
         "tests/test_gguf_smollm2.py",  # --quantization gguf on the real GGUF
+        "tests/test_pd_tp.py",  # prefill and decode servers at --tp-size 2
     }
 )
 

@@ -346,3 +346,12 @@ def test_queues_show_in_server_info_and_the_log_lines(make_pd: Callable[..., PD]
 
     info = run(main())
     assert info["num_prefill_bootstrap_queue_reqs"] == 1 and info["disaggregation_mode"] == "prefill"
+
+
+def test_a_tp_size_mismatch_is_refused_at_the_handshake_on_both_sides(make_pd: Callable[..., PD]) -> None:
+    # A stub holds no shards, but its layout says its tp_size: TP rank r sends its own
+    # heads to the peer's rank r, so both sides must split the heads alike.
+    pd = make_pd(prefill={"tp_size": 3}, decode={"tp_size": 1})
+    for out in run(pd.pair([50, 51, 52, 53], greedy(4))):
+        assert reason(out)["status_code"] == 503
+        assert "tp_size differs: this server has" in reason(out)["message"] and "same --tp-size" in reason(out)["message"]

@@ -27,6 +27,16 @@ def peer_error(message: str) -> FinishReason:
     return FinishReason("abort", message=message, status_code=UNAVAILABLE)
 
 
+def kv_frame(req: Req, room: int) -> dict[str, Any]:
+    """The header of a prefilled room's KV: its first token (with logprobs) and cache hits."""
+    header: dict[str, Any] = {"op": "kv", "room": room, "first_token": req.output_ids[0], "cached_tokens": req.cached_tokens}
+    if req.output_token_logprobs:
+        header["logprob"] = req.output_token_logprobs[0][0]
+    if req.output_top_logprobs:
+        header["top"] = req.output_top_logprobs[0]
+    return header
+
+
 def adopt_prefill(req: Req, header: dict[str, Any]) -> None:
     """A decode request whose prompt KV is in place: the prefill server's `kv` frame
     gives it its first token (with logprobs) and its prompt as prefilled."""

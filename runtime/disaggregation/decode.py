@@ -33,6 +33,7 @@ import torch
 from config.settings import EngineSettings
 from runtime.disaggregation.common import DisaggStats, Tasks, adopt_prefill, peer_error, transfer_backend
 from runtime.disaggregation.peer import Peer
+from runtime.disaggregation.prealloc import DecodePreallocQueue
 from runtime.disaggregation.ranks import RankHub, RankOrder
 from runtime.disaggregation.transport import payload_from_bytes, scatter_kv
 from runtime.disaggregation.wire import STREAM_LIMIT, KVLayout, PeerGone, read_frame, write_frame
@@ -73,7 +74,7 @@ class DecodeDisaggregation:
         self.layout = layout
         self.backend = transfer_backend(settings)
         self.timeout = settings.disaggregation_timeout
-        self.prealloc_queue: list[Req] = []  # DecodePreallocQueue
+        self.prealloc_queue = DecodePreallocQueue(scheduler)
         self.transfer_queue: dict[int, Reservation] = {}  # DecodeTransferQueue: room -> reservation
         self.ready: list[Reservation] = []  # KV in place, for the next poll
         self.peers: dict[tuple[str, int], Peer] = {}
@@ -137,38 +138,18 @@ class DecodeDisaggregation:
 
     # ---- reservations ----------------------------------------------------------------------
     def _prealloc(self) -> None:
-        """Reserve rows and prompt slots for the queue's front, FIFO, keeping for every
-        request already admitted the share of its remaining tokens admission reserves."""
         s = self.scheduler
-        pools, ratio, page = s.pools, s.decode.new_token_ratio, s.page_size
         admitted = s.running_batch.reqs + [r.req for r in self.transfer_queue.values()] + [r.req for r in self.ready]
-        reserve = sum(_remaining(r) for r in admitted) * ratio
-        count = len(admitted)
-        while self.prealloc_queue and count < s.max_running_requests and pools.req_to_token_pool.available_size():
-            req = self.prealloc_queue[0]
-            n = len(req.origin_input_ids)
-            need = -(-n // page) * page + (_remaining(req) * ratio + reserve if count else 0)
-            if pools.allocator.available_size() < need:
-                pools.tree_cache.evict(int(need) - pools.allocator.available_size())
-                if pools.allocator.available_size() < need:
-                    break
-            slots = pools.allocator.alloc(n)
-            row = pools.req_to_token_pool.alloc()
-            assert slots is not None and row is not None
-            pools.req_to_token_pool.write(row, 0, slots)
-            req.req_pool_idx = row
-            self.prealloc_queue.pop(0)
-            count += 1
-            reserve += _remaining(req) * ratio
+        for req, row, slots in self.prealloc_queue.reserve(admitted):
             assert req.bootstrap is not None
             peer = self._peer(req.bootstrap)
             room = req.bootstrap.room
             res = self.transfer_queue[room] = Reservation(req, peer, row, slots, time.monotonic() + self.timeout)
             if self.ranks is not None:
                 res.order = self.ranks.order({"op": "recv", "room": room, "link": peer.link}, slots, functools.partial(self._progress, res))
-            req.trace.queued("transfer", kv_slots=n)
+            req.trace.queued("transfer", kv_slots=slots.numel())
             peer.rooms.add(room)
-            peer.send({"op": "prealloc", "room": room, "prompt_len": n})
+            peer.send({"op": "prealloc", "room": room, "prompt_len": slots.numel()})
 
     def _free(self, res: Reservation) -> None:
         """Give back `res`'s row and slots, once no rank writes into them any more."""
@@ -308,6 +289,3 @@ class DecodeDisaggregation:
                     why = f"the KV of bootstrap_room {room} did not arrive within {self.timeout:g} s"
                     self._end(res, peer_error(why), notify=why)
 
-
-def _remaining(req: Req) -> int:
-    return max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)

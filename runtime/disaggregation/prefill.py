@@ -26,9 +26,9 @@ import structlog
 import torch
 
 from config.settings import EngineSettings
-from runtime.disaggregation.common import DisaggStats, Tasks, peer_error, transfer_backend
+from runtime.disaggregation.common import DisaggStats, Tasks, kv_frame, peer_error, transfer_backend
 from runtime.disaggregation.peer import Peer, refusal
-from runtime.disaggregation.ranks import RankHub, RankOrder
+from runtime.disaggregation.ranks import RankHub
 from runtime.disaggregation.transport import gather_kv
 from runtime.disaggregation.wire import STREAM_LIMIT, KVLayout, PeerGone, read_frame
 from runtime.managers.disagg_hooks import DisaggQueues
@@ -218,32 +218,19 @@ class PrefillDisaggregation:
                 order = self.ranks.order({"op": "send", "room": room, "link": peer.link}, slots)
             payload = await loop.run_in_executor(self._pool, gather_kv, self.buffers, slots)
             nbytes = payload.numel()
-            header: dict[str, Any] = {"op": "kv", "room": room, "first_token": req.output_ids[0], "cached_tokens": req.cached_tokens}
-            if req.output_token_logprobs:
-                header["logprob"] = req.output_token_logprobs[0][0]
-            if req.output_top_logprobs:
-                header["top"] = req.output_top_logprobs[0]
-            await peer.send_kv(header, payload)
+            await peer.send_kv(kv_frame(req, room), payload)
             await asyncio.wait_for(ack if order is None else asyncio.gather(ack, order.result), self.timeout)
         except Exception as exc:  # noqa: BLE001 - every failure ends the room the same way
             error = peer_error(f"KV transfer of bootstrap_room {room} to the {peer.name} failed: {str(exc) or type(exc).__name__}")
             log.warning("KV transfer failed", room=room, error=error.message)
-        nbytes += await self._settle(order, error is not None)
+        if order is not None and self.ranks is not None:  # until no other rank reads the slots
+            nbytes += await self.ranks.settle(order, failed=error is not None)
         self.acks.pop(room, None)
         self._unbind(room, error.message if error is not None else None)
         self.inflight.pop(room, None)
         self.stats.done(room, nbytes, error is None)
         req.trace.kv_sent(None if error is None else error.message)
         self.scheduler.release_held(req, kv_len, error)
-
-    async def _settle(self, order: RankOrder | None, failed: bool) -> int:
-        """Until no other rank reads the room's slots (each gave up, if it failed); their bytes."""
-        if order is None or self.ranks is None:
-            return 0
-        if failed:
-            self.ranks.drop(order)
-        await order.settled
-        return order.nbytes
 
     # ---- the bootstrap server ----------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -130,6 +130,14 @@ class RankHub:
         if order.waiting:
             self.post({"op": "drop", "oid": order.oid})
 
+    async def settle(self, order: RankOrder, failed: bool) -> int:
+        """Until no rank reads or writes the room's slots any more (each gives up, if
+        the room `failed`); the bytes they moved."""
+        if failed:
+            self.drop(order)
+        await order.settled
+        return order.nbytes
+
     # ---- the agents' reports ----------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         rank = -1

@@ -10,6 +10,12 @@ slots are reserved: send its KV), `ack` (a room's KV is in place), `abort`.
 Prefill -> decode: `hello_ok` / `refused` (the layouts differ: every room on this
 connection will be refused with that message), `kv` (a room's first token and KV),
 `error` (a room failed on the prefill side), `abort`.
+
+At tp_size > 1 `hello_ok` also carries `link` (this connection's id) and `endpoints`
+(per TP rank, where that rank's KV sender listens; host None = the bootstrap host).
+Decode rank r then opens a connection of the same framing to prefill rank r:
+`hello` (peer = link, rank, backend, layout), `hello_ok` / `refused`, then `kv`
+frames (room and KV only) from prefill to decode (rank_agent.py).
 """
 
 from __future__ import annotations
