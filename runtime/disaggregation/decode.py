@@ -123,6 +123,10 @@ class DecodeDisaggregation:
         return True
 
     def hold(self, req: Req, kv_len: int) -> bool:
+        # `req` frees its KV now: the prealloc queue's front may fit. Wake the loop, which
+        # would otherwise sleep when this was the last running request.
+        if self.prealloc_queue:
+            self.scheduler.wake()
         return False
 
     def poll(self) -> tuple[list[Req], list[Req]]:
