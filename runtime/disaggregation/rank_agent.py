@@ -70,23 +70,31 @@ class RankAgent:
         self._copy = ThreadPoolExecutor(1, thread_name_prefix="sluice-kv-copy")
         self._tasks = Tasks()
         self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name=f"sluice-kv-agent{rank}", daemon=True).start()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=f"sluice-kv-agent{rank}", daemon=True)
+        self._thread.start()
 
     def post(self, message: SideMessage) -> None:
         """From the step loop: handled on the agent's thread, in posting order."""
         self.loop.call_soon_threadsafe(self._on_message, message)
 
     def close(self) -> None:
+        """Stop the agent's connections, tasks and thread (at shutdown)."""
+        if self.loop.is_closed():
+            return
         self.loop.call_soon_threadsafe(self._close)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.loop.close()
 
     def _close(self) -> None:
         self._tasks.cancel()
-        for link in self.links.values():
+        for link in list(self.links.values()):
             link.close()
         self._hub.close()
         if self._server is not None:
             self._server.close()
         self._copy.shutdown(wait=False)
+        self.loop.call_soon(self.loop.stop)  # after the cancellations have run
 
     def _on_message(self, message: SideMessage) -> None:
         h, op = message.header, message.header["op"]
@@ -179,6 +187,8 @@ class RankAgent:
                 self._report(job, "dropped")
                 return
             link = await asyncio.wait_for(self._link(job.link), self.timeout)
+            if job.dropped:  # (already reported) while the decode rank was not there yet
+                return
             await link.send_kv({"op": "kv", "room": job.room}, payload)
             self._report(job, None, payload.numel())
         except Exception as exc:  # noqa: BLE001 - every failure is reported to rank 0

@@ -71,7 +71,10 @@ class RankOrder:
                 self.result.set_result(None)
             self.settled.set_result(None)
         if self.on_report is not None:
-            self.on_report()
+            try:
+                self.on_report()
+            except Exception:  # noqa: BLE001 - the hub must go on reading this rank's reports
+                log.exception("handling a tp rank's KV transfer report failed", oid=self.oid)
 
 
 def hub_host(settings: EngineSettings) -> str:
@@ -92,6 +95,7 @@ class RankHub:
         self._hello: set[int] = set()
         self._all_here = asyncio.Event()
         self._server: asyncio.Server | None = None
+        self._readers: set[asyncio.Task[Any]] = set()  # one per agent: cancelled at close
         self.closed = False
 
     async def start(self) -> None:
@@ -111,6 +115,8 @@ class RankHub:
         self.closed = True
         if self._server is not None:
             self._server.close()
+        for task in self._readers:
+            task.cancel()
 
     def post(self, header: dict[str, Any], slots: torch.Tensor | None = None) -> None:
         if self.closed:
@@ -140,7 +146,9 @@ class RankHub:
 
     # ---- the agents' reports ----------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        rank = -1
+        rank, task = -1, asyncio.current_task()
+        if task is not None:
+            self._readers.add(task)
         try:
             hello, _ = await read_frame(reader)
             rank = int(hello["rank"])
@@ -160,4 +168,5 @@ class RankHub:
                 for order in list(self.orders.values()):
                     order.report(rank, f"its KV transfer agent went away ({exc})", 0, True)
         finally:
+            self._readers.discard(task)  # type: ignore[arg-type]
             writer.close()
