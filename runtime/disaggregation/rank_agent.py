@@ -44,7 +44,7 @@ class Job:
 
     oid: int
     room: int
-    link: int  # prefill: the decode peer's id; decode: rank 0's key for the prefill peer
+    link: int  # Peer.link of the room's bootstrap connection, as this server's rank 0 numbers it
     slots: torch.Tensor
     busy: bool = False  # gathering from / scattering into `slots`
     dropped: bool = False
@@ -181,7 +181,7 @@ class RankAgent:
     async def _send(self, job: Job) -> None:
         try:
             job.busy = True
-            payload = await self.loop.run_in_executor(self._copy, gather_kv, self.buffers, job.slots)
+            payload = await self.loop.run_in_executor(self._copy, self._read, job.slots)
             job.busy = False
             if job.dropped:
                 self._report(job, "dropped")
@@ -270,6 +270,11 @@ class RankAgent:
         except Exception as exc:  # noqa: BLE001 - every failure is reported to rank 0
             job.busy = False
             self._report(job, f"receiving its KV of bootstrap_room {job.room} failed: {str(exc) or type(exc).__name__}")
+
+    def _read(self, slots: torch.Tensor) -> torch.Tensor:
+        if self.buffers[0].is_cuda:  # the step that wrote them may still run on the device
+            torch.cuda.synchronize(self.buffers[0].device)
+        return gather_kv(self.buffers, slots)
 
     def _write(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         scatter_kv(self.buffers, slots, kv)
