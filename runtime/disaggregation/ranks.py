@@ -95,7 +95,7 @@ class RankHub:
         self._hello: set[int] = set()
         self._all_here = asyncio.Event()
         self._server: asyncio.Server | None = None
-        self._readers: set[asyncio.Task[Any]] = set()  # one per agent: cancelled at close
+        self._agents: set[asyncio.StreamWriter] = set()  # closed at close: their readers end
         self.closed = False
 
     async def start(self) -> None:
@@ -115,8 +115,8 @@ class RankHub:
         self.closed = True
         if self._server is not None:
             self._server.close()
-        for task in self._readers:
-            task.cancel()
+        for writer in self._agents:
+            writer.close()
 
     def post(self, header: dict[str, Any], slots: torch.Tensor | None = None) -> None:
         if self.closed:
@@ -146,9 +146,8 @@ class RankHub:
 
     # ---- the agents' reports ----------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        rank, task = -1, asyncio.current_task()
-        if task is not None:
-            self._readers.add(task)
+        rank = -1
+        self._agents.add(writer)
         try:
             hello, _ = await read_frame(reader)
             rank = int(hello["rank"])
@@ -163,10 +162,10 @@ class RankHub:
                 if order is not None:
                     order.report(rank, report.get("error"), int(report.get("nbytes", 0)), bool(report.get("link_down")))
         except (PeerGone, OSError, KeyError, ValueError) as exc:
-            if rank > 0:  # its process is gone or wedged: it touches no slot any more
+            if rank > 0 and not self.closed:  # its process is gone or wedged: it touches no slot any more
                 log.error("a tp rank's KV transfer agent went away", rank=rank, error=str(exc))
                 for order in list(self.orders.values()):
                     order.report(rank, f"its KV transfer agent went away ({exc})", 0, True)
         finally:
-            self._readers.discard(task)  # type: ignore[arg-type]
+            self._agents.discard(writer)
             writer.close()
