@@ -46,6 +46,14 @@ class Cluster:
     checkpoint: Path
     kv_heads: int
     backend: str
+    decode_flags: tuple[str, ...]
+
+    def live(self) -> Cluster:
+        """This cluster, with a new decode server if a test took the last one down."""
+        assert self.decode.proc is not None
+        if self.decode.proc.poll() is not None:
+            self.decode = ServerProcess(*self.decode_flags).start().wait_ready()
+        return self
 
     def body(self, ids: list[int], max_new: int, room: int, **extra: Any) -> dict[str, Any]:
         params = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
@@ -93,15 +101,16 @@ def pd_cluster(checkpoint: Path, kv_heads: int, backend: str) -> Iterator[Cluste
     common = ("--model-path", str(checkpoint), "--tp-size", str(TP), "--disaggregation-transfer-backend", backend,
               "--disaggregation-timeout", "20", "--dist-timeout", "120")  # a stopped rank must not kill the group
     prefill = ServerProcess("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port), *common)
-    decode = ServerProcess("--disaggregation-mode", "decode", *common)
+    decode_flags = ("--disaggregation-mode", "decode", *common)
+    cluster = Cluster(prefill, ServerProcess(*decode_flags), port, checkpoint, kv_heads, backend, decode_flags)
     try:
-        for server in (prefill, decode):
+        for server in (prefill, cluster.decode):
             server.start()
-        for server in (prefill, decode):
+        for server in (prefill, cluster.decode):
             server.wait_ready()
-        yield Cluster(prefill, decode, port, checkpoint, kv_heads, backend)
+        yield cluster
     finally:
-        for server in (prefill, decode):
+        for server in (prefill, cluster.decode):
             _stop(server)
 
 
@@ -120,6 +129,7 @@ def _ids(r: httpx.Response) -> list[int]:
 
 
 def test_tp2_decode_outputs_equal_hf(pd_tp: Cluster, prompts: list[list[int]]) -> None:
+    pd_tp = pd_tp.live()
     oracle = HFOracle(pd_tp.checkpoint)
 
     async def main() -> list[tuple[httpx.Response, httpx.Response]]:
@@ -144,6 +154,7 @@ def _queued(server: ServerProcess, key: str) -> bool:
 
 
 def test_an_abort_while_a_decode_rank_is_stopped_mid_transfer_frees_every_slot_on_both_sides(pd_tp: Cluster, prompts: list[list[int]]) -> None:
+    pd_tp = pd_tp.live()
     assert pd_tp.decode.proc is not None
     (rank1,) = _worker_ranks(pd_tp.decode.proc.pid)
     prompt = prompts[-1]
@@ -178,7 +189,8 @@ def test_an_abort_while_a_decode_rank_is_stopped_mid_transfer_frees_every_slot_o
 
 
 def test_a_decode_rank_killed_mid_transfer_ends_the_prefill_half_and_frees_it(pd_tp: Cluster, prompts: list[list[int]]) -> None:
-    # Last in this file: it takes the module's decode server down (the next cluster is a new one).
+    # Last in this file: it takes the module's decode server down (a test after it would start another).
+    pd_tp = pd_tp.live()
     assert pd_tp.decode.proc is not None
     (rank1,) = _worker_ranks(pd_tp.decode.proc.pid)
 
