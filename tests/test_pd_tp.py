@@ -204,6 +204,7 @@ def test_a_decode_rank_killed_mid_transfer_ends_the_prefill_half_and_frees_it(pd
             return p
 
     p = asyncio.run(main())
-    assert p.status_code == 503 and "went away" in p.json()["error"]["message"], p.text
+    # Whichever the prefill server sees first: the bootstrap connection gone, or its rank 1's send failing.
+    assert p.status_code == 503 and "KV transfer of bootstrap_room" in p.json()["error"]["message"], p.text
     assert pd_tp.decode.wait_exit(60) != 0
     assert_all_free(pd_tp.prefill)
