@@ -217,8 +217,6 @@ def validate(s: EngineSettings | ServerSettings) -> None:
         if s.disaggregation_mode != "null" and not 0 < s.disaggregation_bootstrap_port < 65536:
             raise SettingsError(f"disaggregation_bootstrap_port={s.disaggregation_bootstrap_port}: must be in 1..65535")
         _check_min("disaggregation_timeout", s.disaggregation_timeout, 0.1, allow_none=False)
-        if s.disaggregation_mode != "null" and s.tp_size > 1:
-            raise SettingsError("disaggregation_mode prefill/decode needs tp_size 1: sharded KV is not transferred")
         if s.is_embedding and (s.tp_size > 1 or s.disaggregation_mode != "null"):
             raise SettingsError("is_embedding needs tp_size 1 and disaggregation_mode null (not supported together yet)")
         if s.device == "cpu" and s.attention_backend == "flashinfer":

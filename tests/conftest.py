@@ -177,7 +177,7 @@ SLOW_FIXTURES = frozenset(
     {
         "hf_oracle", "make_engine", "make_module_engine", "smollm2",  # conftest.py, test_models.py
         "server", "servers", "limited", "offline_engine", "tiny_server", "cluster",  # server suites, test_bench.py
-        "tp_engine", "tp_logits",  # test_tp.py, test_tp_layers.py
+        "tp_engine", "tp_logits", "pd_tp",  # test_tp.py, test_tp_layers.py, test_pd_tp.py
         "traced_server",  # test_server_trace.py, test_dashboard_browser.py
         "qwen3_embedding_dir", "embedding_server",  # test_embeddings.py (a saved HF model, a server)
     }
@@ -190,6 +190,7 @@ SLOW_TESTS = frozenset(
         "tests/test_models.py::test_gguf_q_k_rows_are_unpermuted_to_hf_layout",  # reads the real GGUF
         "tests/test_gguf_smollm2.py",  # --quantization gguf on the real GGUF
         "tests/test_cpu_default_mode.py",  # quantization=auto on the real GGUF
+        "tests/test_pd_tp.py",  # prefill and decode servers at --tp-size 2
     }
 )
 

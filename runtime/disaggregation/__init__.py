@@ -18,8 +18,12 @@ A retracted request re-enters the waiting queue and this server recomputes its
 prefix itself.
 
 Either side ends a request with a 503 error when its peer aborts it, dies, refuses
-the KV layout (model, page size, KV dtype) or lets `--disaggregation-timeout` pass;
-every slot and row is released on both sides.
+the KV layout (model, page size, KV dtype, tp_size) or lets `--disaggregation-timeout`
+pass; every slot and row is released on both sides.
+
+Tensor parallelism (ranks.py, rank_agent.py): both sides run the same tp_size, and
+TP rank r of the prefill server sends its own KV heads to TP rank r of the decode
+server, driven by rank 0's decisions.
 """
 
 from __future__ import annotations
@@ -50,8 +54,14 @@ def create(scheduler: Scheduler, worker: Worker, config: ModelConfig, settings: 
     from runtime.disaggregation.decode import DecodeDisaggregation
     from runtime.disaggregation.prefill import PrefillDisaggregation
 
+    from runtime.disaggregation.ranks import RankHub
+
     buffers = worker.kv_buffers()
     model = f"{config.architecture} layers={config.num_layers} hidden={config.hidden_size} vocab={config.vocab_size}"
-    layout = KVLayout.of(model, settings.page_size, buffers)
+    layout = KVLayout.of(model, settings.page_size, buffers, settings.tp_size)
     side = PrefillDisaggregation if settings.disaggregation_mode == "prefill" else DecodeDisaggregation
-    return side(scheduler, buffers, layout, settings)
+    ranks = None
+    channel = getattr(worker, "tp_channel", None)  # rank 0 of a tensor-parallel group (ModelRunner)
+    if channel is not None and transfer_backend(settings) != "fake":
+        ranks = RankHub(channel, getattr(worker, "on_tp_failure", None), settings, model)
+    return side(scheduler, buffers, layout, settings, ranks)

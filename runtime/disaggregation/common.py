@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from config.settings import EngineSettings
-from runtime.managers.req import FinishReason
+from runtime.managers.req import FinishReason, Req
 
 UNAVAILABLE = 503  # the peer, not the client, is at fault: a router may retry elsewhere
 EWMA = 0.2
@@ -25,6 +25,31 @@ def transfer_backend(settings: EngineSettings) -> str:
 
 def peer_error(message: str) -> FinishReason:
     return FinishReason("abort", message=message, status_code=UNAVAILABLE)
+
+
+def kv_frame(req: Req, room: int) -> dict[str, Any]:
+    """The header of a prefilled room's KV: its first token (with logprobs) and cache hits."""
+    header: dict[str, Any] = {"op": "kv", "room": room, "first_token": req.output_ids[0], "cached_tokens": req.cached_tokens}
+    if req.output_token_logprobs:
+        header["logprob"] = req.output_token_logprobs[0][0]
+    if req.output_top_logprobs:
+        header["top"] = req.output_top_logprobs[0]
+    return header
+
+
+def adopt_prefill(req: Req, header: dict[str, Any]) -> None:
+    """A decode request whose prompt KV is in place: the prefill server's `kv` frame
+    gives it its first token (with logprobs) and its prompt as prefilled."""
+    first = int(header["first_token"])
+    req.output_ids.append(first)
+    if req.return_logprob and "logprob" in header:
+        req.output_token_logprobs.append((float(header["logprob"]), first))
+        if "top" in header:
+            req.output_top_logprobs.append([(float(lp), int(t)) for lp, t in header["top"]])
+    req.fill_ids = list(req.origin_input_ids)
+    req.cached_tokens = int(header.get("cached_tokens", 0))
+    req.row_dirty = True  # the worker has never seen this row
+    req.trace.kv_received()
 
 
 @dataclass(slots=True)

@@ -7,14 +7,21 @@ already running; then a `prealloc` goes to its prefill server and it waits in
 slots (then `ack`); then `poll` hands it to the scheduler, which adds it to the
 running batch (`Scheduler.admit_prebuilt`).
 
+At tp_size > 1 this is rank 0: it receives its own heads as above and orders every
+other rank to receive theirs from the prefill server's same rank into the same
+slots (ranks.py); a room is complete when its KV is in place on every rank.
+
 Invariant: a request in `transfer_queue` or `ready` owns its row and slots here
 (its `req_pool_idx` is set, nothing in the tree); ending it frees both. A room
-whose KV is being scattered when it ends keeps them until the scatter is done.
+whose KV is being scattered when it ends, here or on any rank, keeps them until
+every scatter is done.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,9 +31,11 @@ import structlog
 import torch
 
 from config.settings import EngineSettings
-from runtime.disaggregation.common import DisaggStats, Tasks, peer_error, transfer_backend
+from runtime.disaggregation.common import DisaggStats, Tasks, adopt_prefill, peer_error, transfer_backend
 from runtime.disaggregation.peer import Peer
-from runtime.disaggregation.transport import PairGroup, payload_from_bytes, scatter_kv
+from runtime.disaggregation.prealloc import DecodePreallocQueue
+from runtime.disaggregation.ranks import RankHub, RankOrder
+from runtime.disaggregation.transport import payload_from_bytes, scatter_kv
 from runtime.disaggregation.wire import STREAM_LIMIT, KVLayout, PeerGone, read_frame, write_frame
 from runtime.managers.disagg_hooks import DisaggQueues
 from runtime.managers.io_struct import BootstrapInfo
@@ -46,34 +55,45 @@ class Reservation:
     row: int
     slots: torch.Tensor
     deadline: float
+    order: RankOrder | None = None  # the other TP ranks' part (tp_size > 1)
+    header: dict[str, Any] | None = None  # the `kv` frame, once this rank's part is in place
     receiving: bool = False  # the KV is being scattered into `slots`
-    ended: bool = False  # the request ended meanwhile: free when the scatter is done
+    ended: bool = False  # the request ended meanwhile: free when every scatter is done
+    freed: bool = False
 
 
 class DecodeDisaggregation:
     mode = "decode"
 
-    def __init__(self, scheduler: Scheduler, buffers: list[torch.Tensor], layout: KVLayout, settings: EngineSettings) -> None:
+    def __init__(
+        self, scheduler: Scheduler, buffers: list[torch.Tensor], layout: KVLayout, settings: EngineSettings, ranks: RankHub | None = None,
+    ) -> None:
         self.scheduler = scheduler
+        self.ranks = ranks  # the other TP ranks' receivers (tp_size > 1)
         self.buffers = buffers
         self.layout = layout
         self.backend = transfer_backend(settings)
         self.timeout = settings.disaggregation_timeout
-        self.prealloc_queue: list[Req] = []  # DecodePreallocQueue
+        self.prealloc_queue = DecodePreallocQueue(scheduler)
         self.transfer_queue: dict[int, Reservation] = {}  # DecodeTransferQueue: room -> reservation
         self.ready: list[Reservation] = []  # KV in place, for the next poll
         self.peers: dict[tuple[str, int], Peer] = {}
         self.stats = DisaggStats()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="sluice-kv-scatter")
         self._tasks = Tasks()
+        self._links = itertools.count(1)
 
     async def start(self) -> None:
+        if self.ranks is not None:
+            await self.ranks.start()
         self._tasks.spawn(self._reap())
 
     def close(self) -> None:
         self._tasks.cancel()
         for peer in self.peers.values():
             peer.close()
+        if self.ranks is not None:
+            self.ranks.close()
         self._pool.shutdown(wait=False)
 
     # ---- scheduler hooks -------------------------------------------------------------------
@@ -103,6 +123,10 @@ class DecodeDisaggregation:
         return True
 
     def hold(self, req: Req, kv_len: int) -> bool:
+        # `req` frees its KV now: the prealloc queue's front may fit. Wake the loop, which
+        # would otherwise sleep when this was the last running request.
+        if self.prealloc_queue:
+            self.scheduler.wake()
         return False
 
     def poll(self) -> tuple[list[Req], list[Req]]:
@@ -118,38 +142,24 @@ class DecodeDisaggregation:
 
     # ---- reservations ----------------------------------------------------------------------
     def _prealloc(self) -> None:
-        """Reserve rows and prompt slots for the queue's front, FIFO, keeping for every
-        request already admitted the share of its remaining tokens admission reserves."""
         s = self.scheduler
-        pools, ratio, page = s.pools, s.decode.new_token_ratio, s.page_size
         admitted = s.running_batch.reqs + [r.req for r in self.transfer_queue.values()] + [r.req for r in self.ready]
-        reserve = sum(_remaining(r) for r in admitted) * ratio
-        count = len(admitted)
-        while self.prealloc_queue and count < s.max_running_requests and pools.req_to_token_pool.available_size():
-            req = self.prealloc_queue[0]
-            n = len(req.origin_input_ids)
-            need = -(-n // page) * page + (_remaining(req) * ratio + reserve if count else 0)
-            if pools.allocator.available_size() < need:
-                pools.tree_cache.evict(int(need) - pools.allocator.available_size())
-                if pools.allocator.available_size() < need:
-                    break
-            slots = pools.allocator.alloc(n)
-            row = pools.req_to_token_pool.alloc()
-            assert slots is not None and row is not None
-            pools.req_to_token_pool.write(row, 0, slots)
-            req.req_pool_idx = row
-            self.prealloc_queue.pop(0)
-            count += 1
-            reserve += _remaining(req) * ratio
+        for req, row, slots in self.prealloc_queue.reserve(admitted):
             assert req.bootstrap is not None
             peer = self._peer(req.bootstrap)
             room = req.bootstrap.room
-            self.transfer_queue[room] = Reservation(req, peer, row, slots, time.monotonic() + self.timeout)
-            req.trace.queued("transfer", kv_slots=n)
+            res = self.transfer_queue[room] = Reservation(req, peer, row, slots, time.monotonic() + self.timeout)
+            if self.ranks is not None:
+                res.order = self.ranks.order({"op": "recv", "room": room, "link": peer.link}, slots, functools.partial(self._progress, res))
+            req.trace.queued("transfer", kv_slots=slots.numel())
             peer.rooms.add(room)
-            peer.send({"op": "prealloc", "room": room, "prompt_len": n})
+            peer.send({"op": "prealloc", "room": room, "prompt_len": slots.numel()})
 
     def _free(self, res: Reservation) -> None:
+        """Give back `res`'s row and slots, once no rank writes into them any more."""
+        if res.freed or res.receiving or (res.order is not None and not res.order.settled.done()):
+            return
+        res.freed = True
         self.scheduler.allocator.free(res.slots)
         self.scheduler.req_to_token_pool.free(res.row)
         if res.req.req_pool_idx == res.row:
@@ -165,10 +175,12 @@ class DecodeDisaggregation:
         if notify is not None:
             res.peer.send({"op": "abort", "room": room, "message": notify})
         res.req.req_pool_idx = None  # finish must not donate this KV: it is not (all) there
-        if res.receiving:
-            res.ended = True
-        else:
-            self._free(res)
+        res.ended = True
+        if room in self.stats.started:
+            self.stats.done(room, 0, False)
+        if res.order is not None and self.ranks is not None:
+            self.ranks.drop(res.order)
+        self._free(res)
         if reason is not None:
             self.scheduler.finish(res.req, reason)
 
@@ -197,26 +209,33 @@ class DecodeDisaggregation:
         except Exception as exc:  # noqa: BLE001 - any failure ends the room
             error = f"receiving the KV of bootstrap_room {room} failed: {str(exc) or type(exc).__name__}"
         res.receiving = False
-        self.stats.done(room, res.slots.numel() * self.layout.bytes_per_token, error is None and not res.ended)
+        if error is None:
+            res.header = header
+        elif not res.ended:
+            self._end(res, peer_error(error), notify=error)
+        self._progress(res)
+
+    def _progress(self, res: Reservation) -> None:
+        """After any part of `res` moved: free it if it ended, end it if a rank failed,
+        complete it once its KV is in place on every rank."""
+        order, room = res.order, int(res.req.bootstrap.room if res.req.bootstrap is not None else -1)
         if res.ended:
             self._free(res)
             return
-        if error is not None:
-            self._end(res, peer_error(error), notify=error)
+        if order is not None and order.result.done() and (exc := order.result.exception()) is not None:
+            why = f"receiving the KV of bootstrap_room {room} failed: {exc}"
+            self._end(res, peer_error(why), notify=why)
+            if order.link_down:  # reconnect (every rank) for the next request
+                res.peer.close()
             return
+        if res.header is None or res.receiving or (order is not None and not order.result.done()):
+            return
+        header = res.header
+        self.stats.done(room, res.slots.numel() * self.layout.bytes_per_token + (order.nbytes if order else 0), True)
         del self.transfer_queue[room]
         res.peer.rooms.discard(room)
-        req, first = res.req, int(header["first_token"])
-        req.output_ids.append(first)
-        if req.return_logprob and "logprob" in header:
-            req.output_token_logprobs.append((float(header["logprob"]), first))
-            if "top" in header:
-                req.output_top_logprobs.append([(float(lp), int(t)) for lp, t in header["top"]])
-        req.fill_ids = list(req.origin_input_ids)
-        req.cached_tokens = int(header.get("cached_tokens", 0))
-        req.row_dirty = True  # the worker has never seen this row
+        adopt_prefill(res.req, header)
         res.peer.send({"op": "ack", "room": room})
-        req.trace.kv_received()
         self.ready.append(res)
         self.scheduler.wake()
 
@@ -224,7 +243,7 @@ class DecodeDisaggregation:
     def _peer(self, info: BootstrapInfo) -> Peer:
         peer = self.peers.get(info.addr)
         if peer is None or peer.closed:
-            peer = self.peers[info.addr] = Peer(f"prefill server {info.host}:{info.port}")
+            peer = self.peers[info.addr] = Peer(f"prefill server {info.host}:{info.port}", link=next(self._links))
             self._tasks.spawn(self._connect(peer, info.host, info.port))
         return peer
 
@@ -240,10 +259,9 @@ class DecodeDisaggregation:
                 peer.refusal = str(reply.get("message"))
                 log.error("prefill server refused this decode server", peer=peer.name, reason=peer.refusal)
             elif "store_port" in reply:
-                peer.paired = True
-                store = await asyncio.to_thread(PairGroup.join_store, host, int(reply["store_port"]), self.timeout)
-                peer.group = await asyncio.to_thread(PairGroup, self.backend, store, 1, peer.local_host, self.timeout)
-                peer.group_ready.set()
+                await peer.join_pairing(self.backend, host, int(reply["store_port"]), self.timeout)
+            if self.ranks is not None and "endpoints" in reply:  # rank r connects to the prefill server's rank r
+                self.ranks.post({"op": "connect", "link": peer.link, "peer": reply["link"], "host": host, "endpoints": reply["endpoints"]})
             peer.connected(writer)
             while True:
                 header, payload = await read_frame(reader)
@@ -258,6 +276,8 @@ class DecodeDisaggregation:
             why = str(exc) or type(exc).__name__
         finally:
             peer.close()
+            if self.ranks is not None:
+                self.ranks.post({"op": "disconnect", "link": peer.link})
             if self.peers.get((host, port)) is peer:
                 del self.peers[(host, port)]
             what = f"the {peer.name} went away ({why})" if reached else f"cannot reach the {peer.name}'s bootstrap port: {why}"
@@ -273,6 +293,3 @@ class DecodeDisaggregation:
                     why = f"the KV of bootstrap_room {room} did not arrive within {self.timeout:g} s"
                     self._end(res, peer_error(why), notify=why)
 
-
-def _remaining(req: Req) -> int:
-    return max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)

@@ -10,7 +10,7 @@ import structlog
 import torch
 
 from runtime.disaggregation.transport import PairGroup, as_memoryview
-from runtime.disaggregation.wire import PeerGone, write_frame, write_payload
+from runtime.disaggregation.wire import KVLayout, PeerGone, write_frame, write_payload
 
 log = structlog.get_logger("sluice.disaggregation")
 
@@ -26,6 +26,7 @@ class Peer:
     name: str  # for messages: "decode server 10.0.0.2:41234" / "prefill server host:port"
     writer: asyncio.StreamWriter | None = None
     local_host: str = "127.0.0.1"
+    link: int = 0  # names this connection in the orders to the other TP ranks' agents (ranks.py)
     refusal: str | None = None  # the layouts differ: every room here fails with this
     paired: bool = False  # gloo/nccl: payloads travel on a two-rank group, not inline
     group: PairGroup | None = None  # set (and group_ready) once that group is up
@@ -71,6 +72,29 @@ class Peer:
         await self.writer.drain()
         await sent
 
+    async def accept_pairing(self, backend: str, timeout: float, ok: dict[str, Any], device: torch.device | None = None) -> None:
+        """The accepting side's answer to a hello it takes: `ok`; for gloo/nccl, the pair
+        group's store is hosted here and this side joins as rank 0."""
+        if backend not in ("gloo", "nccl"):
+            self.send(ok)
+            return
+        self.paired = True
+        store = PairGroup.host_store(self.local_host, timeout)
+        self.send({**ok, "store_port": store.port})
+        try:
+            self.group = await asyncio.to_thread(PairGroup, backend, store, 0, self.local_host, timeout, device)
+        finally:
+            self.group_ready.set()
+
+    async def join_pairing(self, backend: str, host: str, store_port: int, timeout: float, device: torch.device | None = None) -> None:
+        """The connecting side's half: join the pair group the other side offered, as rank 1."""
+        self.paired = True
+        try:
+            store = await asyncio.to_thread(PairGroup.join_store, host, store_port, timeout)
+            self.group = await asyncio.to_thread(PairGroup, backend, store, 1, self.local_host, timeout, device)
+        finally:
+            self.group_ready.set()
+
     def close(self) -> None:
         self.closed = True
         if self.writer is not None:
@@ -78,3 +102,11 @@ class Peer:
         if self.group is not None:
             self.group.close()
         self.group_ready.set()  # wake senders waiting on a group that will not come
+
+
+def refusal(layout: KVLayout, backend: str, hello: dict[str, Any]) -> str | None:
+    """Why the peer that sent `hello` cannot exchange KV with this side, or None."""
+    why = layout.mismatch(KVLayout.from_json(hello["layout"]))
+    if why is None and str(hello.get("backend")) != backend:
+        why = f"KV transfer backend differs: this server uses {backend}, the peer {hello.get('backend')}"
+    return why

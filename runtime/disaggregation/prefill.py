@@ -6,12 +6,18 @@ peer and goes to the waiting queue; once prefilled (max_new_tokens = 1) it is he
 in `inflight` while its KV is sent, and released when the peer acknowledges or the
 transfer fails. A room the decode side ended before its request arrived is kept in
 `failed` so that request ends at once. Stale entries expire after the timeout.
+
+At tp_size > 1 this is rank 0: it sends its own heads as above and orders every
+other rank to send theirs to the decode server's same rank (ranks.py); a room is
+acknowledged only when every rank's part went out and the decode side acked, and
+its slots are released only once every rank has reported on it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -20,9 +26,10 @@ import structlog
 import torch
 
 from config.settings import EngineSettings
-from runtime.disaggregation.common import DisaggStats, Tasks, peer_error, transfer_backend
-from runtime.disaggregation.peer import Peer
-from runtime.disaggregation.transport import PairGroup, gather_kv
+from runtime.disaggregation.common import DisaggStats, Tasks, kv_frame, peer_error, transfer_backend
+from runtime.disaggregation.peer import Peer, refusal
+from runtime.disaggregation.ranks import RankHub
+from runtime.disaggregation.transport import gather_kv
 from runtime.disaggregation.wire import STREAM_LIMIT, KVLayout, PeerGone, read_frame
 from runtime.managers.disagg_hooks import DisaggQueues
 from runtime.managers.req import FinishReason, Req
@@ -42,8 +49,11 @@ def _room(req: Req) -> int:
 class PrefillDisaggregation:
     mode = "prefill"
 
-    def __init__(self, scheduler: Scheduler, buffers: list[torch.Tensor], layout: KVLayout, settings: EngineSettings) -> None:
+    def __init__(
+        self, scheduler: Scheduler, buffers: list[torch.Tensor], layout: KVLayout, settings: EngineSettings, ranks: RankHub | None = None,
+    ) -> None:
         self.scheduler = scheduler
+        self.ranks = ranks  # the other TP ranks' senders (tp_size > 1)
         self.buffers = buffers
         self.layout = layout
         self.backend = transfer_backend(settings)
@@ -61,9 +71,12 @@ class PrefillDisaggregation:
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="sluice-kv-gather")
         self._tasks = Tasks()
         self._server: asyncio.Server | None = None
+        self._links = itertools.count(1)
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
+        if self.ranks is not None:  # every rank's KV sender is up before a decode server asks
+            await self.ranks.start()
         # All interfaces, as SGLang's bootstrap server: decode servers on other hosts reach it.
         self._server = await asyncio.start_server(self._serve, host="0.0.0.0", port=self.port, limit=STREAM_LIMIT)
         self._tasks.spawn(self._reap())
@@ -75,6 +88,8 @@ class PrefillDisaggregation:
         self._tasks.cancel()
         for peer in self.peers:
             peer.close()
+        if self.ranks is not None:
+            self.ranks.close()
         self._pool.shutdown(wait=False)
 
     # ---- scheduler hooks -------------------------------------------------------------------
@@ -195,22 +210,21 @@ class PrefillDisaggregation:
         loop = asyncio.get_running_loop()
         ack = self.acks[room] = loop.create_future()
         self.stats.start(room)
-        nbytes, error = 0, None
+        nbytes, error, order = 0, None, None
         try:
             # The slots are read now: the row is ours until release_held.
             slots = self.scheduler.req_to_token_pool.req_to_token[req.row, : len(req.origin_input_ids)].to(torch.int64)
+            if self.ranks is not None:
+                order = self.ranks.order({"op": "send", "room": room, "link": peer.link}, slots)
             payload = await loop.run_in_executor(self._pool, gather_kv, self.buffers, slots)
             nbytes = payload.numel()
-            header: dict[str, Any] = {"op": "kv", "room": room, "first_token": req.output_ids[0], "cached_tokens": req.cached_tokens}
-            if req.output_token_logprobs:
-                header["logprob"] = req.output_token_logprobs[0][0]
-            if req.output_top_logprobs:
-                header["top"] = req.output_top_logprobs[0]
-            await peer.send_kv(header, payload)
-            await asyncio.wait_for(ack, self.timeout)
+            await peer.send_kv(kv_frame(req, room), payload)
+            await asyncio.wait_for(ack if order is None else asyncio.gather(ack, order.result), self.timeout)
         except Exception as exc:  # noqa: BLE001 - every failure ends the room the same way
             error = peer_error(f"KV transfer of bootstrap_room {room} to the {peer.name} failed: {str(exc) or type(exc).__name__}")
             log.warning("KV transfer failed", room=room, error=error.message)
+        if order is not None and self.ranks is not None:  # until no other rank reads the slots
+            nbytes += await self.ranks.settle(order, failed=error is not None)
         self.acks.pop(room, None)
         self._unbind(room, error.message if error is not None else None)
         self.inflight.pop(room, None)
@@ -221,7 +235,7 @@ class PrefillDisaggregation:
     # ---- the bootstrap server ----------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         local_host, addr = writer.get_extra_info("sockname")[0], writer.get_extra_info("peername")
-        peer = Peer(f"decode server {addr[0]}:{addr[1]}", writer, local_host)
+        peer = Peer(f"decode server {addr[0]}:{addr[1]}", writer, local_host, link=next(self._links))
         self.peers.add(peer)
         why = "closed"
         try:
@@ -243,32 +257,23 @@ class PrefillDisaggregation:
         finally:
             peer.close()
             self.peers.discard(peer)
+            if self.ranks is not None and not self.ranks.closed:
+                self.ranks.post({"op": "disconnect", "link": peer.link})
             for room in list(peer.rooms):
                 self._on_peer_abort(room, f"the {peer.name} went away ({why})")
             for room in [r for r, e in self.early.items() if e[0] is peer]:
                 del self.early[room]
 
     async def _handshake(self, peer: Peer, hello: dict[str, Any]) -> None:
-        theirs = KVLayout.from_json(hello["layout"])
-        backend = str(hello.get("backend"))
-        peer.refusal = self.layout.mismatch(theirs)
-        if peer.refusal is None and backend != self.backend:
-            peer.refusal = f"KV transfer backend differs: this server uses {self.backend}, the peer {backend}"
+        peer.refusal = refusal(self.layout, self.backend, hello)
         if peer.refusal is not None:
             peer.refusal = f"the prefill and decode servers cannot exchange KV: {peer.refusal}"
             log.error("decode server refused", peer=peer.name, reason=peer.refusal)
             peer.send({"op": "refused", "message": peer.refusal})
             return
-        if self.backend not in ("gloo", "nccl"):
-            peer.send({"op": "hello_ok"})
-            return
-        peer.paired = True
-        store = PairGroup.host_store(peer.local_host, self.timeout)
-        peer.send({"op": "hello_ok", "store_port": store.port})
-        try:
-            peer.group = await asyncio.to_thread(PairGroup, self.backend, store, 0, peer.local_host, self.timeout)
-        finally:
-            peer.group_ready.set()
+        # At tp_size > 1: where the decode server's rank r finds this server's rank r.
+        ok = {"op": "hello_ok"} if self.ranks is None else {"op": "hello_ok", "link": peer.link, "endpoints": self.ranks.endpoints}
+        await peer.accept_pairing(self.backend, self.timeout, ok)
 
     async def _reap(self) -> None:
         """Expire requests whose decode peer never came, and stale pairing records."""

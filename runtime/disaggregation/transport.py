@@ -8,6 +8,8 @@ Backends: `tcp` writes the payload on the bootstrap connection itself; `gloo` an
 `nccl` open a two-rank torch.distributed group per connection (prefill = rank 0,
 decode = rank 1; rendezvous on a TCPStore the prefill server hosts) and move it
 with point-to-point send/recv, the header still going over the connection.
+At tp_size > 1 each TP rank pair (prefill rank r, decode rank r) has a connection
+of its own, with the same framing (runtime/disaggregation/rank_agent.py).
 """
 
 from __future__ import annotations
@@ -62,9 +64,11 @@ class PairGroup:
     decode server (rank 1). Sends and receives each run on their own single thread, in
     the order the rooms' headers go over the connection, so tags always match."""
 
-    def __init__(self, backend: str, store: dist.Store, rank: int, local_host: str, timeout: float) -> None:
+    def __init__(self, backend: str, store: dist.Store, rank: int, local_host: str, timeout: float, device: torch.device | None = None) -> None:
         self.rank = rank
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.device = torch.device("cpu")
+        if backend == "nccl":  # on the KV pool's GPU (`device`), else the current one
+            self.device = device if device is not None and device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
         prefixed = dist.PrefixStore("sluice-pd", store)
         self.pg: _PointToPoint
         if backend == "gloo":

@@ -10,6 +10,12 @@ slots are reserved: send its KV), `ack` (a room's KV is in place), `abort`.
 Prefill -> decode: `hello_ok` / `refused` (the layouts differ: every room on this
 connection will be refused with that message), `kv` (a room's first token and KV),
 `error` (a room failed on the prefill side), `abort`.
+
+At tp_size > 1 `hello_ok` also carries `link` (this connection's id) and `endpoints`
+(per TP rank, where that rank's KV sender listens; host None = the bootstrap host).
+Decode rank r then opens a connection of the same framing to prefill rank r:
+`hello` (peer = link, rank, backend, layout), `hello_ok` / `refused`, then `kv`
+frames (room and KV only) from prefill to decode (rank_agent.py).
 """
 
 from __future__ import annotations
@@ -41,13 +47,15 @@ class KVLayout:
     model: str  # architecture and shape of the model
     page_size: int
     dtype: str  # the KV pool's dtype
-    slot_shapes: tuple[tuple[int, ...], ...]  # per KV buffer, one slot's shape
+    slot_shapes: tuple[tuple[int, ...], ...]  # per KV buffer, one slot's shape (this TP rank's heads)
+    # TP rank r sends its heads to the peer's rank r: both sides split the heads alike.
+    tp_size: int = 1
 
     @staticmethod
-    def of(model: str, page_size: int, buffers: list[torch.Tensor]) -> KVLayout:
+    def of(model: str, page_size: int, buffers: list[torch.Tensor], tp_size: int = 1) -> KVLayout:
         dtypes = {str(b.dtype).removeprefix("torch.") for b in buffers}
         assert len(dtypes) == 1, f"KV buffers of mixed dtypes: {dtypes}"
-        return KVLayout(model, page_size, dtypes.pop(), tuple(tuple(b.shape[1:]) for b in buffers))
+        return KVLayout(model, page_size, dtypes.pop(), tuple(tuple(b.shape[1:]) for b in buffers), tp_size)
 
     @property
     def bytes_per_token(self) -> int:
@@ -59,10 +67,14 @@ class KVLayout:
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> KVLayout:
-        return KVLayout(str(d["model"]), int(d["page_size"]), str(d["dtype"]), tuple(tuple(s) for s in d["slot_shapes"]))
+        slot_shapes = tuple(tuple(s) for s in d["slot_shapes"])
+        return KVLayout(str(d["model"]), int(d["page_size"]), str(d["dtype"]), slot_shapes, int(d.get("tp_size", 1)))
 
     def mismatch(self, other: KVLayout) -> str | None:
         """Why `other` (the peer's) cannot exchange KV with this one, or None."""
+        if self.tp_size != other.tp_size:  # first: it also changes the slot shapes
+            return (f"tp_size differs: this server has {self.tp_size}, the peer has {other.tp_size} "
+                    "(prefill and decode servers must run the same --tp-size)")
         for name in ("model", "page_size", "dtype", "slot_shapes"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:

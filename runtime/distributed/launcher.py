@@ -2,8 +2,10 @@
 
 Rank 0 runs HTTP, the scheduler and its own shard; every other rank runs
 `worker_main`: build its shard, then run each forward rank 0 broadcasts
-(runtime/model_executor/tp_channel.py) until told to stop. Ranks rendezvous over
-torch.distributed at `init_method` (gloo on CPU, NCCL on CUDA).
+(runtime/model_executor/tp_channel.py) until told to stop, and hand each side
+message (a prefill/decode server's KV transfer order) to this rank's transfer agent
+(runtime/disaggregation/rank_agent.py). Ranks rendezvous over torch.distributed at
+`init_method` (gloo on CPU, NCCL on CUDA).
 
 Failure: a worker that exits is seen by the watchdog within WATCHDOG_INTERVAL_S;
 one that hangs makes rank 0's next collective time out after `dist_timeout`. An
@@ -55,11 +57,13 @@ def worker_main(rank: int, settings: EngineSettings, method: str) -> None:
     """Entry point of a spawned worker rank. Exits 0 on SHUTDOWN, 1 on any failure."""
     from runtime import engine_setup
     from runtime.distributed.parallel_state import destroy_tensor_parallel
-    from runtime.model_executor.tp_channel import Command, heartbeat_reply, receive
+    from runtime.model_executor.tp_channel import Command, SideMessage, heartbeat_reply, receive
 
     logging.basicConfig(level=logging.INFO, format=f"[tp{rank}] %(message)s")
+    agent = None  # this rank's KV transfer agent (prefill/decode disaggregation), at its first order
     try:
-        runner = engine_setup.build_shard(settings, rank, method).runner
+        shard = engine_setup.build_shard(settings, rank, method)
+        runner = shard.runner
         log.info("tensor-parallel worker ready", rank=rank, pid=os.getpid())
         while True:
             item = receive()
@@ -67,11 +71,19 @@ def worker_main(rank: int, settings: EngineSettings, method: str) -> None:
                 break
             if item is Command.HEARTBEAT:
                 heartbeat_reply()
+            elif isinstance(item, SideMessage):  # handed over: this loop never waits on the network
+                if agent is None:
+                    from runtime.disaggregation.rank_agent import RankAgent
+
+                    agent = RankAgent(rank, shard.settings, runner.kv_buffers())
+                agent.post(item)
             elif not isinstance(item, Command):
                 runner.forward_shard(item)
     except BaseException as exc:  # noqa: BLE001 - any failure ends this rank, visibly
         log.error("tensor-parallel worker failed", rank=rank, error=repr(exc))
         os._exit(1)  # skip atexit: the process group may be wedged
+    if agent is not None:
+        agent.close()
     destroy_tensor_parallel()
 
 

@@ -12,14 +12,27 @@ Payload layout (bs requests, T new tokens, S row syncs):
   extend_prefix_lens[bs] extend_seq_lens[bs] has_prefix_slots[bs]
   prefix_slots[sum of extend_prefix_lens over rows with has_prefix_slots]
   sync_rows[S] sync_lens[S] sync_slots[sum sync_lens]
+
+Side messages (Command.SIDE) carry what is not a forward: prefill/decode
+disaggregation's KV transfer orders (runtime/disaggregation/ranks.py). Header
+[SIDE, 0, 0, n_slots, json_len, payload length]; payload: the slots, then the
+orjson header's bytes packed into int64 words. Rank 0 broadcasts them from their
+own thread under `step_lock`, so they fall between two steps in the same order
+on every rank; a worker rank hands them to its transfer agent and returns to its
+step loop at once.
 """
 
 from __future__ import annotations
 
 import enum
+import queue
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
+import orjson
 import torch
 
 from runtime.distributed.parallel_state import broadcast_from_rank0, get_tp_device, tensor_model_parallel_all_reduce
@@ -33,6 +46,26 @@ class Command(enum.IntEnum):
     FORWARD = 1
     HEARTBEAT = 2  # no forward: a one-element all-reduce that every rank must join
     SHUTDOWN = 3
+    SIDE = 4  # a side message between two steps (SideMessage)
+
+
+@dataclass(frozen=True, slots=True)
+class SideMessage:
+    header: dict[str, Any]  # orjson-serialisable
+    slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # int64, CPU
+
+
+def encode_side(message: SideMessage) -> tuple[torch.Tensor, torch.Tensor]:
+    raw = orjson.dumps(message.header)
+    words = torch.frombuffer(bytearray(raw + bytes(-len(raw) % 8)), dtype=torch.int64)
+    payload = torch.cat([message.slots.to("cpu", torch.int64).reshape(-1), words])
+    return torch.tensor([Command.SIDE, 0, 0, message.slots.numel(), len(raw), payload.numel()], dtype=torch.int64), payload
+
+
+def decode_side(header: torch.Tensor, payload: torch.Tensor) -> SideMessage:
+    _, _, _, n, json_len, _ = header.tolist()
+    raw = payload[n:].numpy().tobytes()[:json_len]
+    return SideMessage(orjson.loads(raw), payload[:n].clone())
 
 
 def encode(inputs: ForwardInputs, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,6 +131,36 @@ class BatchChannel:
         self.step_lock = threading.Lock()
         self._last_step = time.monotonic()
         self.closed = False
+        self._side: queue.SimpleQueue[SideMessage | None] = queue.SimpleQueue()
+        self._side_thread: threading.Thread | None = None
+        self._on_side_failure: Callable[[str], None] | None = None
+
+    def start_side(self, on_failure: Callable[[str], None] | None) -> None:
+        """Start the thread that broadcasts side messages (once; `on_failure` as a forward's)."""
+        if self._side_thread is None:
+            self._on_side_failure = on_failure
+            self._side_thread = threading.Thread(target=self._send_side, name="sluice-tp-side", daemon=True)
+            self._side_thread.start()
+
+    def post(self, message: SideMessage) -> None:
+        """Queue a side message (any thread; never blocks): broadcast between two steps."""
+        assert self._side_thread is not None, "start_side first"
+        self._side.put(message)
+
+    def _send_side(self) -> None:
+        while (message := self._side.get()) is not None:
+            header, payload = encode_side(message)
+            with self.step_lock:
+                if self.closed:
+                    return
+                try:
+                    broadcast_from_rank0(header.to(get_tp_device()))
+                    broadcast_from_rank0(payload.to(get_tp_device()))
+                except Exception as exc:  # noqa: BLE001 - a failed broadcast is a dead group
+                    if self._on_side_failure is not None:
+                        self._on_side_failure(f"tensor-parallel side message failed: {exc}")
+                    return
+                self._last_step = time.monotonic()
 
     def send(self, inputs: ForwardInputs, input_ids: torch.Tensor) -> None:
         """Under `step_lock`, before this rank's own forward of `inputs`."""
@@ -124,6 +187,7 @@ class BatchChannel:
             if not self.closed:
                 self.closed = True
                 self._command(Command.SHUTDOWN)
+        self._side.put(None)
 
 
 def heartbeat_reply() -> None:
@@ -131,12 +195,12 @@ def heartbeat_reply() -> None:
     tensor_model_parallel_all_reduce(torch.ones(1, device=get_tp_device()))
 
 
-def receive() -> ForwardInputs | Command:
-    """A non-zero rank's end: the next forward's inputs, or a command."""
+def receive() -> ForwardInputs | SideMessage | Command:
+    """A non-zero rank's end: the next forward's inputs, a side message, or a command."""
     device = get_tp_device()
     header = broadcast_from_rank0(torch.empty(HEADER_LEN, dtype=torch.int64, device=device)).cpu()
     command = Command(int(header[0]))
-    if command is not Command.FORWARD:
+    if command not in (Command.FORWARD, Command.SIDE):
         return command
     payload = broadcast_from_rank0(torch.empty(int(header[5]), dtype=torch.int64, device=device)).cpu()
-    return decode(header, payload)
+    return decode(header, payload) if command is Command.FORWARD else decode_side(header, payload)
