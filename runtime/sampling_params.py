@@ -84,7 +84,8 @@ def _list_param(doc: str, **bounds: float) -> Any:
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_new_tokens: int = _param(DEFAULT_MAX_NEW_TOKENS, "Most tokens to generate.", ge=1, le=INT32_MAX)
+    max_new_tokens: int = _param(DEFAULT_MAX_NEW_TOKENS, "Most tokens to generate; 0 = prefill only (for prompt logprobs).",
+                                 ge=0, le=INT32_MAX)
     min_new_tokens: int = _param(0, "Tokens generated before EOS or a stop may end the output.", ge=0, le=INT32_MAX)
     temperature: float = _param(1.0, "Sampling temperature; 0 = greedy.", ge=0.0, le=2.0)
     top_p: float = _param(1.0, "Nucleus sampling: the smallest set of tokens with this much probability.", gt=0.0, le=1.0)

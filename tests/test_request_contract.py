@@ -85,7 +85,7 @@ async def test_engine_names_are_answered_under_the_names_the_route_uses(client: 
     assert r.json()["error"]["param"] == "min_tokens"
     assert r.json()["error"]["message"].startswith("min_tokens=3: ")
     r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                        "max_completion_tokens": 0})
+                                                        "max_completion_tokens": -1})
     assert r.json()["error"]["param"] == "max_completion_tokens"
     r = await client.post("/generate", json={"text": "abc", "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 3}})
     assert r.json()["error"]["param"] == "min_new_tokens"

@@ -27,12 +27,24 @@ from tests.stub_engine import (
 EDGE_CONFIGS = ["default", "page4-chunk10", "mixed-chunk16", "page16"]
 
 
-def test_max_new_tokens_0_is_rejected_before_queueing(make_stub: Callable[..., Engine]) -> None:
+def test_a_negative_max_new_tokens_is_rejected_before_queueing(make_stub: Callable[..., Engine]) -> None:
     engine = make_stub()
     (prompt,) = make_prompts([7])
     with pytest.raises(InvalidRequest):
-        generate_one(engine, prompt, greedy(0))
+        generate_one(engine, prompt, greedy(-1))
     assert engine.num_waiting_reqs == 0 and engine.get_server_info()["num_requests_total"] == 0
+
+
+@pytest.mark.parametrize("overlap", OVERLAP.values(), ids=OVERLAP.keys())
+def test_max_new_tokens_0_is_a_prefill_with_no_token(overlap: bool, make_stub: Callable[..., Engine]) -> None:
+    """SGLang's prefill-only request (prompt logprobs): it ends after its prefill, with no
+    output token, beside requests that go on decoding (make_stub checks every slot is free)."""
+    engine = make_stub(disable_overlap_schedule=overlap, chunked_prefill_size=16)
+    prompts = make_prompts([1, 5, 30, 9])
+    outs = generate_all(engine, prompts, [greedy(0), greedy(0), greedy(0), greedy(6)])
+    assert output_ids(outs) == [[], [], [], oracle(engine, prompts[3], 6)]
+    assert [o["meta_info"]["finish_reason"] for o in outs[:3]] == [{"type": "length", "matched": 0}] * 3
+    assert engine.get_server_info()["generation_tokens_total"] == 6
 
 
 @pytest.mark.parametrize("overlap", OVERLAP.values(), ids=OVERLAP.keys())
@@ -115,6 +127,6 @@ def test_an_invalid_prompt_in_a_batch_ends_its_siblings_too(make_stub: Callable[
     engine = make_stub()
     prompts = make_prompts([8, 8], seed=11)
     with pytest.raises(InvalidRequest):
-        engine.generate(prompts, [greedy(300), {"max_new_tokens": 0}])
+        engine.generate(prompts, [greedy(300), {"max_new_tokens": -1}])
     assert engine.wait_idle(10), "a sibling of the invalid request kept running"
     assert engine.get_server_info()["num_running_reqs"] == 0

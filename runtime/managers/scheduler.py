@@ -335,7 +335,9 @@ class Scheduler:
             reason: FinishReason | None
             if req.to_abort:
                 reason = req.abort_reason or aborted()
-            else:  # max_new_tokens >= 1 (SamplingParams): every forward yields one token
+            elif req.sampling_params.max_new_tokens == 0:  # prefill only (prompt logprobs): no token kept
+                reason = req.check_finished()
+            else:  # every other forward yields one token
                 num_tokens += 1
                 req.output_ids.append(result.next_token_ids[i])
                 if req.return_logprob:
