@@ -29,7 +29,7 @@ from runtime.managers.grammar_manager import GrammarManager
 from runtime.managers.scheduler import Scheduler
 from runtime.managers.scheduler_loop import SchedulerLoop
 from runtime.managers.embedding_manager import output_processor
-from runtime.managers.tokenizer_manager import RequestLimits, SamplingInput, make_req
+from runtime.managers.tokenizer_manager import LogprobOptions, RequestLimits, SamplingInput, make_req
 from runtime.managers.trace import TraceOptions
 
 Delivery = GenerateOutput | InvalidRequest  # what a request's queue carries to its caller
@@ -156,27 +156,14 @@ class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
             return list(self.tokenizer.encode(prompt))  # with the model's BOS, as HF/vLLM/SGLang do
         return list(prompt)
 
-    def _make_req(
-        self, ids: list[int], params: SamplingInput, rid: str, return_logprob: bool, top_logprobs_num: int,
-        bootstrap: BootstrapInfo | None,
-    ) -> Req:
-        limits = RequestLimits(
-            self.model_config.context_len, self.model_config.vocab_size, self.pools.max_total_num_tokens - self.settings.page_size,
-            self.model_config.eos_token_ids, self.worker.device, self.settings.is_embedding,
-        )
-        if bootstrap is None and disaggregation.needs_bootstrap(self.settings):
-            raise InvalidRequest(
-                f"this is a {self.settings.disaggregation_mode} server: requests need bootstrap_host, bootstrap_port "
-                "and bootstrap_room (send them through sglang-router --pd-disaggregation)", param="bootstrap_room")
-        req = make_req(ids, params, rid, return_logprob, top_logprobs_num, limits)
-        if req.sampling_params.grammar is not None and self.scheduler.grammars is None:
-            kind = req.sampling_params.grammar[0]
-            raise InvalidRequest(f"{kind} needs structured output: this server runs --grammar-backend none", param=kind)
-        req.bootstrap = bootstrap
-        return req
+    def _limits(self) -> RequestLimits:
+        s, config = self.settings, self.model_config
+        return RequestLimits(config.context_len, config.vocab_size, self.pools.max_total_num_tokens - s.page_size,
+                             config.eos_token_ids, self.worker.device, s.is_embedding, s.disaggregation_mode,
+                             disaggregation.needs_bootstrap(s), self.scheduler.grammars is not None)
 
     async def _submit(
-        self, prompt: Prompt, params: SamplingInput, rid: str | None, stream: bool, return_logprob: bool, top_logprobs_num: int,
+        self, prompt: Prompt, params: SamplingInput, rid: str | None, stream: bool, logprobs: LogprobOptions,
         bootstrap: BootstrapInfo | None = None, trace: TraceOptions | None = None,
     ) -> tuple[Req, asyncio.Queue[Delivery]]:
         arrival = time.monotonic()
@@ -188,7 +175,7 @@ class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
             ids = list(prompt)
         else:
             raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
-        req = self._make_req(ids, params, rid or uuid.uuid4().hex, return_logprob, top_logprobs_num, bootstrap)
+        req = make_req(ids, params, rid or uuid.uuid4().hex, logprobs, self._limits(), bootstrap)
         req.trace.received(arrival, trace)
         queue: asyncio.Queue[Delivery] = asyncio.Queue()
         deliver: Callable[[Delivery], None]
@@ -218,11 +205,14 @@ class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
         top_logprobs_num: int = 0,
         bootstrap: BootstrapInfo | None = None,
         trace: TraceOptions | None = None,
+        logprob_start_len: int = -1,
     ) -> GenerateOutput:
         """The whole output of one prompt. Cancelling the awaiting task aborts the request.
         `bootstrap`: on a prefill/decode server, where the KV goes or comes from.
-        `trace`: return_trace, the caller's trace context and arrival (runtime/managers/trace.py)."""
-        return await self._generate_one(prompt, sampling_params, rid, return_logprob, top_logprobs_num, bootstrap, trace)
+        `trace`: return_trace, the caller's trace context and arrival (runtime/managers/trace.py).
+        `logprob_start_len` >= 0 (with return_logprob): prompt logprobs too (LogprobOptions)."""
+        logprobs = LogprobOptions(return_logprob, top_logprobs_num, logprob_start_len)
+        return await self._generate_one(prompt, sampling_params, rid, logprobs, bootstrap, trace)
 
     async def async_generate_stream(
         self,
@@ -233,10 +223,12 @@ class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
         top_logprobs_num: int = 0,
         bootstrap: BootstrapInfo | None = None,
         trace: TraceOptions | None = None,
+        logprob_start_len: int = -1,
     ) -> AsyncGenerator[GenerateOutput, None]:
         """The output of one prompt as delta chunks (io_struct); the last has finish_reason.
         Closing it early (aclose, break, cancelling the task) aborts the request."""
-        req, queue = await self._submit(prompt, sampling_params, rid, True, return_logprob, top_logprobs_num, bootstrap, trace)
+        logprobs = LogprobOptions(return_logprob, top_logprobs_num, logprob_start_len)
+        req, queue = await self._submit(prompt, sampling_params, rid, True, logprobs, bootstrap, trace)
         finished = False
         try:
             while not finished:
@@ -250,10 +242,10 @@ class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
                 self.abort(req.rid, why="stream_closed")
 
     async def _generate_one(
-        self, prompt: Prompt, params: SamplingInput, rid: str | None, return_logprob: bool, top_k: int,
+        self, prompt: Prompt, params: SamplingInput, rid: str | None, logprobs: LogprobOptions,
         bootstrap: BootstrapInfo | None = None, trace: TraceOptions | None = None,
     ) -> GenerateOutput:
-        req, queue = await self._submit(prompt, params, rid, False, return_logprob, top_k, bootstrap, trace)
+        req, queue = await self._submit(prompt, params, rid, False, logprobs, bootstrap, trace)
         try:
             item = await queue.get()
         except asyncio.CancelledError:
@@ -270,18 +262,20 @@ class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         return_trace: bool = False,
+        logprob_start_len: int | list[int] = -1,
     ) -> GenerateOutput | list[GenerateOutput]:
         batched = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
         prompts = cast(list[Prompt], list(prompt) if batched else [prompt])
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise InvalidRequest("sampling_params must match the number of prompts", param="sampling_params")
+        starts = logprob_start_len if isinstance(logprob_start_len, list) else [logprob_start_len] * len(prompts)
+        if len(params) != len(prompts) or len(starts) != len(prompts):
+            raise InvalidRequest("sampling_params and logprob_start_len must match the number of prompts", param="sampling_params")
         loop = self._ensure_started()
 
         async def run_all() -> list[GenerateOutput]:
             trace = TraceOptions(return_trace=True) if return_trace else None
-            tasks = [asyncio.ensure_future(self._generate_one(p, sp, None, return_logprob, top_logprobs_num, None, trace))
-                     for p, sp in zip(prompts, params)]
+            tasks = [asyncio.ensure_future(self._generate_one(p, sp, None, LogprobOptions(return_logprob, top_logprobs_num, s), None, trace))
+                     for p, sp, s in zip(prompts, params, starts)]
             try:
                 return list(await asyncio.gather(*tasks))
             except BaseException:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import NotRequired, TypedDict
 
 TokenLogprob = tuple[float, int]  # (logprob, token_id)
+PromptTokenLogprob = tuple[float | None, int]  # a prompt token's: None for the first one reported
 
 # SGLang's warm-up address: a request bootstrapped here moves no KV whatever the backend.
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
@@ -88,6 +89,10 @@ class MetaInfo(TypedDict):
     e2e_latency: float | None
     output_token_logprobs: NotRequired[list[TokenLogprob]]  # this chunk's tokens; with return_logprob
     output_top_logprobs: NotRequired[list[list[TokenLogprob]]]  # this chunk's tokens; with top_logprobs_num > 0
+    # With logprob_start_len >= 0 (prompt_logprobs.py): prompt tokens [logprob_start_len, n), in the
+    # first chunk after the prompt's prefill; [] in every other chunk.
+    input_token_logprobs: NotRequired[list[PromptTokenLogprob]]
+    input_top_logprobs: NotRequired[list[list[TokenLogprob] | None]]  # with top_logprobs_num > 0; None first
     trace: NotRequired[TraceJSON]  # the last chunk only, with return_trace
 
 

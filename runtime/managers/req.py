@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from runtime.managers.io_struct import BootstrapInfo, FinishReasonJSON
+from runtime.managers.prompt_logprobs import PromptLogprobs
 from runtime.managers.trace import RequestTrace
 from runtime.model_executor.worker import BatchResult
 from runtime.sampling_params import SamplingParams
@@ -54,6 +55,7 @@ class Req:
         top_logprobs_num: int = 0,
         priority: int = 0,
         bootstrap: BootstrapInfo | None = None,
+        logprob_start_len: int = -1,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = input_ids
@@ -65,6 +67,8 @@ class Req:
             self.stop_token_ids |= set(eos_token_ids)
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
+        # SGLang's logprob_start_len: -1 = no prompt logprobs, else from that prompt position on.
+        self.prompt_logprobs = PromptLogprobs(logprob_start_len, len(input_ids), top_logprobs_num) if logprob_start_len >= 0 else None
         self.priority = priority
         self.bootstrap = bootstrap  # prefill/decode disaggregation: where its KV goes or comes from
         self.grammar: Grammar | None = None  # its output constraint, once compiled (GrammarManager)
@@ -119,11 +123,15 @@ class Req:
     def init_next_round_input(self, tree_cache: PrefixCache | None = None) -> None:
         """Recompute fill_ids; with a tree, re-match the longest cached prefix.
 
-        At least one token is always left to compute, so the forward yields logits.
+        At least one token is always left to compute, so the forward yields logits; and no
+        prompt position whose logprobs are still to be computed comes from the cache.
         """
         self.fill_ids = self.origin_input_ids + self.output_ids
         if tree_cache is not None:
-            self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[: len(self.fill_ids) - 1])
+            limit = len(self.fill_ids) - 1
+            if self.prompt_logprobs is not None and (scored := self.prompt_logprobs.prefix_limit()) is not None:
+                limit = min(limit, scored)
+            self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[:limit])
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
     # ---- stop conditions ---------------------------------------------------------
@@ -155,6 +163,8 @@ class Req:
         self.req_pool_idx = None
         self.row_dirty = False
         self.epoch += 1
+        if self.prompt_logprobs is not None:  # results still in flight are stale now
+            self.prompt_logprobs.rewind()
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"

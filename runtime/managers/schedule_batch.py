@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import cast
 import torch
 
+from runtime.managers.prompt_logprobs import PromptLogprobRows
 from runtime.managers.req import Req
 from runtime.mem.allocator import TokenToKVPoolAllocator
 from runtime.mem.prefix_cache import PrefixCache
@@ -47,6 +48,7 @@ class ScheduleBatch:
     intermediate_chunk: Req | None = None
     batch_is_full: bool = False
     epochs: list[int] = field(default_factory=list)
+    prompt_lp: PromptLogprobRows | None = None  # the prompt positions this prefill scores
     # Decode rounds over the same requests share one SamplingBatchInfo (immutable
     # once built); any change to `reqs` drops it.
     _decode_sampling: SamplingBatchInfo | None = None
@@ -94,6 +96,7 @@ class ScheduleBatch:
         self.prefix_lens = [len(r.prefix_indices) for r in self.reqs]
         self.extend_lens = [r.extend_input_len for r in self.reqs]
         self.seq_lens = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
+        self.prompt_lp = PromptLogprobRows.plan(self.reqs, self.prefix_lens, self.extend_lens)
         for req, row, p in zip(self.reqs, rows, self.prefix_lens):
             if p:
                 pool.write(row, 0, req.prefix_indices)
@@ -142,6 +145,7 @@ class ScheduleBatch:
     def prepare_for_decode(self) -> None:
         """One new token per request; its input is the request's future placeholder."""
         self.forward_mode = ForwardMode.DECODE
+        self.prompt_lp = None
         pool = self.req_to_token_pool
         rows = self._rows()
         self._evict_for(self.decode_tokens_needed())
@@ -238,6 +242,9 @@ class ScheduleBatch:
             future_ids=future_ids,
             top_logprobs_nums=tops,
             return_logprob=any(t >= 0 for t in tops),
+            prompt_logprob_rows=lp.rows if (lp := self.prompt_lp) is not None else [],
+            prompt_logprob_targets=lp.targets if lp is not None else [],
+            prompt_top_k=lp.top_k if lp is not None else 0,
         )
 
     def _sampling_info(self) -> SamplingBatchInfo:
@@ -261,6 +268,7 @@ class ScheduleBatch:
             out_cache_loc=self.out_cache_loc,
             decoding_reqs=list(self.decoding_reqs),
             epochs=list(self.epochs),
+            prompt_lp=self.prompt_lp,
         )
 
 

@@ -314,6 +314,8 @@ class Scheduler:
         n_extend = batch.batch_size() - len(batch.decoding_reqs) if batch.forward_mode.is_extend() else 0
         output = self.output
         assert batch.out_cache_loc is not None
+        if batch.prompt_lp is not None:  # before any request below ends and emits
+            batch.prompt_lp.deliver(batch.reqs, batch.epochs, result)
         for i, req in enumerate(batch.reqs):
             token_pos += batch.extend_lens[i]
             if req.epoch != batch.epochs[i]:  # retracted after this forward was launched

@@ -91,4 +91,8 @@ class OutputProcessor:
             meta["output_token_logprobs"] = req.output_token_logprobs[start:]
             if req.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = req.output_top_logprobs[start:]
+        if req.prompt_logprobs is not None:  # the whole list once it is complete (then [] again)
+            meta["input_token_logprobs"], tops = req.prompt_logprobs.take(req.origin_input_ids)
+            if req.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = tops
         return {"text": text, "output_ids": req.output_ids[start:], "meta_info": meta}

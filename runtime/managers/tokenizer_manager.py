@@ -1,5 +1,6 @@
 """One caller's request -> a `Req`, or an `InvalidRequest` before anything is queued
-(the checks SGLang's TokenizerManager makes in `_validate_one_request`)."""
+(the checks SGLang's TokenizerManager makes in `_validate_one_request`, and the
+scheduler's own on `logprob_start_len`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from runtime.errors import InvalidRequest
 from runtime.managers.embedding_manager import EMBEDDING, EmbeddingParams, EmbeddingReq
+from runtime.managers.io_struct import BootstrapInfo
 from runtime.managers.req import Req
 from runtime.sampling_params import DEFAULT_MAX_NEW_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
 
@@ -24,6 +26,20 @@ class RequestLimits:
     eos_token_ids: tuple[int, ...]
     device: torch.device
     is_embedding: bool = False  # an --is-embedding server takes embedding requests only
+    disaggregation_mode: str = "null"  # "prefill" | "decode": no prompt logprobs, no prefill-only requests
+    needs_bootstrap: bool = False  # requests must say where their KV goes or comes from
+    grammars: bool = True  # a grammar backend compiles json_schema / regex / ebnf
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobOptions:
+    """What a request asks of logprobs, under SGLang's names."""
+
+    return_logprob: bool = False
+    top_logprobs_num: int = 0  # top alternatives per token (output, and prompt ones)
+    # -1: output tokens only; s >= 0: prompt tokens [s, n) too (the first entry is None):
+    # meta_info's input_token_logprobs. Ignored without return_logprob / top_logprobs_num.
+    logprob_start_len: int = -1
 
 
 def sampling_params(params: SamplingInput, room: int) -> SamplingParams:
@@ -68,10 +84,17 @@ def make_embedding_req(ids: list[int], params: SamplingInput, rid: str, limits: 
 
 
 def make_req(
-    ids: list[int], params: SamplingInput, rid: str, return_logprob: bool, top_logprobs_num: int, limits: RequestLimits
+    ids: list[int], params: SamplingInput, rid: str, logprobs: LogprobOptions, limits: RequestLimits,
+    bootstrap: BootstrapInfo | None = None,
 ) -> Req:
+    if bootstrap is None and limits.needs_bootstrap:
+        raise InvalidRequest(
+            f"this is a {limits.disaggregation_mode} server: requests need bootstrap_host, bootstrap_port "
+            "and bootstrap_room (send them through sglang-router --pd-disaggregation)", param="bootstrap_room")
     if limits.is_embedding or isinstance(params, EmbeddingParams):
-        return make_embedding_req(ids, params, rid, limits)
+        embedding = make_embedding_req(ids, params, rid, limits)
+        embedding.bootstrap = bootstrap
+        return embedding
     ctx, n = limits.context_len, len(ids)
     _check_ids(ids, limits)
     if n >= ctx:
@@ -87,9 +110,31 @@ def make_req(
                              f"({limits.kv_tokens} tokens for one request)", param="max_tokens")
     if sp.logit_bias and max(sp.logit_bias) >= limits.vocab_size:
         raise InvalidRequest(f"logit_bias token ids must be in [0, {limits.vocab_size})", param="logit_bias")
-    if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+    if sp.grammar is not None and not limits.grammars:
+        kind = sp.grammar[0]
+        raise InvalidRequest(f"{kind} needs structured output: this server runs --grammar-backend none", param=kind)
+    top = logprobs.top_logprobs_num
+    if not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
         raise InvalidRequest(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
-    req = Req(rid, ids, sp, limits.eos_token_ids, return_logprob or top_logprobs_num > 0, top_logprobs_num)
+    want = logprobs.return_logprob or top > 0
+    start = logprob_start_len(logprobs.logprob_start_len if want else -1, n, sp.max_new_tokens, limits)
+    req = Req(rid, ids, sp, limits.eos_token_ids, want, top, logprob_start_len=start)
+    req.bootstrap = bootstrap
     if sp.seed is not None and not sp.is_greedy:
         req.generator = torch.Generator(device=limits.device).manual_seed(sp.seed)
     return req
+
+
+def logprob_start_len(start: int, prompt_len: int, max_new_tokens: int, limits: RequestLimits) -> int:
+    """The checked `logprob_start_len`: -1, or a prompt position (SGLang refuses one past the
+    prompt's last token). A prefill/decode server computes neither prompt logprobs nor
+    prefill-only requests: its prefill half's output never reaches the caller."""
+    if isinstance(start, bool) or not isinstance(start, int) or not -1 <= start < prompt_len:
+        raise InvalidRequest(f"logprob_start_len must be -1 (output tokens only) or a prompt position in "
+                             f"[0, {prompt_len}) (the prompt has {prompt_len} tokens); got {start!r}",
+                             param="logprob_start_len")
+    if limits.disaggregation_mode != "null" and (start >= 0 or max_new_tokens == 0):
+        param = "logprob_start_len" if start >= 0 else "max_new_tokens"
+        raise InvalidRequest(f"prompt logprobs and max_new_tokens=0 are not supported on a {limits.disaggregation_mode} "
+                             "server (prefill/decode disaggregation)", param=param)
+    return start

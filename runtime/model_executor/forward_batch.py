@@ -50,6 +50,9 @@ class ForwardBatch:
     req_to_token: torch.Tensor  # [rows, context_len] int32 (the worker's copy)
     kv_pool: KVPool
     attn_backend: AttentionBackend
+    # Prompt logprobs: packed token indices to score, and (set by the forward) their final hidden states.
+    prompt_logprob_rows: torch.Tensor | None = None
+    prompt_hidden: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

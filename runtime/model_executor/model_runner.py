@@ -24,6 +24,7 @@ import structlog
 import torch
 
 from kernels.attention.base import AttentionBackend
+from runtime.model_executor import prompt_logprobs
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.future_map import FutureMap
 from runtime.mem.kv_pool import KVPool
@@ -138,6 +139,7 @@ class ModelRunner:
             req_to_token=self.req_to_token,
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
+            prompt_logprob_rows=self._upload(mwb.prompt_logprob_rows) if mwb.prompt_logprob_rows else None,
         )
         if not self._uses_graph(fb):  # a graph replay plans its own bucket
             self.attn_backend.init_forward_metadata(fb)
@@ -147,7 +149,10 @@ class ModelRunner:
     def forward_shard(self, inputs: ForwardInputs) -> None:
         """A non-zero tensor-parallel rank's step: the same forward on this rank's
         shard (its collectives pair with rank 0's); rank 0 samples."""
-        self.forward_logits(self.forward_batch_of(inputs, self._upload(inputs.input_ids)))
+        fb = self.forward_batch_of(inputs, self._upload(inputs.input_ids))
+        self.forward_logits(fb)
+        if fb.prompt_hidden is not None:  # rank 0 computes prompt logprobs: join its all-gathers
+            prompt_logprobs.compute(self.model.compute_logits, fb.prompt_hidden, None, 0)
 
     @torch.inference_mode()
     def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:
@@ -158,6 +163,8 @@ class ModelRunner:
             last = hidden
         else:
             last = hidden[torch.cumsum(fb.extend_seq_lens, 0) - 1]
+            if fb.prompt_logprob_rows is not None:
+                fb.prompt_hidden = hidden[fb.prompt_logprob_rows]
         return self.model.compute_logits(last)
 
     def _forward(self, mwb: ModelWorkerBatch) -> SampleOutput:
@@ -183,6 +190,11 @@ class ModelRunner:
                 repetition=up(sampling.repetition), min_new_tokens=up(sampling.min_new_tokens),
             )  # fmt: skip
         out = self.sampler(logits, sampling, mwb.top_logprobs_nums)
+        if fb.prompt_hidden is not None:
+            targets = self._upload(mwb.prompt_logprob_targets)
+            scored = prompt_logprobs.compute(self.model.compute_logits, fb.prompt_hidden, targets, mwb.prompt_top_k)
+            assert scored is not None
+            out = out._replace(prompt_logprobs=scored.logprobs, prompt_top_logprobs=scored.top_logprobs, prompt_top_ids=scored.top_ids)
         assert self.futures is not None
         self.futures.store(self._upload(mwb.future_ids), out.next_token_ids)
         return out
@@ -195,6 +207,9 @@ class ModelRunner:
             token_logprobs=None if out.token_logprobs is None else out.token_logprobs.tolist(),
             top_logprobs=None if out.top_logprobs is None else out.top_logprobs.tolist(),
             top_ids=None if out.top_ids is None else out.top_ids.tolist(),
+            prompt_logprobs=None if out.prompt_logprobs is None else out.prompt_logprobs.tolist(),
+            prompt_top_logprobs=None if out.prompt_top_logprobs is None else out.prompt_top_logprobs.tolist(),
+            prompt_top_ids=None if out.prompt_top_ids is None else out.prompt_top_ids.tolist(),
         )
 
     @torch.inference_mode()

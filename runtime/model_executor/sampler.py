@@ -20,6 +20,10 @@ class SampleOutput(NamedTuple):
     token_logprobs: torch.Tensor | None  # [bs] float32, logprob of the chosen token
     top_logprobs: torch.Tensor | None  # [bs, k] float32
     top_ids: torch.Tensor | None  # [bs, k] int64
+    # Prompt logprobs of the batch's prompt rows (model_executor/prompt_logprobs.py), if any.
+    prompt_logprobs: torch.Tensor | None = None  # [R] float32
+    prompt_top_logprobs: torch.Tensor | None = None  # [R, k] float32
+    prompt_top_ids: torch.Tensor | None = None  # [R, k] int64
 
 
 class PenaltyState:

@@ -64,8 +64,21 @@ def embedding_reference(prompt: list[int], method: PoolingMethod) -> list[float]
     return torch.nn.functional.normalize(pooled, dim=0).tolist()
 
 
+def stub_prompt_logprob(prefix: list[int], target: int, vocab_size: int) -> float:
+    """The stub's logprob of prompt token `target` after `prefix`: 0 for the token the stub
+    would predict, lower the further the target's id is from it."""
+    return -(abs(next_token(prefix, vocab_size) - target) % 1000) / 100
+
+
+def prompt_logprobs_reference(prompt: list[int], start: int, vocab_size: int) -> list[tuple[float | None, int]]:
+    """The input_token_logprobs a correct scheduler reports on a StubWorker (SGLang's shape)."""
+    return [(None, prompt[start])] + [(stub_prompt_logprob(prompt[:i], prompt[i], vocab_size), prompt[i])
+                                      for i in range(start + 1, len(prompt))]
+
+
 class StubWorker:
-    """Forwards in launch order on the executor; logprobs are `-rank/10` of fake top ids."""
+    """Forwards in launch order on the executor; logprobs are `-rank/10` of fake top ids, and a
+    prompt row's top ids start at the token the stub would predict there."""
 
     def __init__(
         self, num_rows: int, context_len: int, num_kv_slots: int, vocab_size: int, *, constant_token: int | None = None,
@@ -108,26 +121,38 @@ class StubWorker:
         assert bool((input_ids >= 0).all()), "an unresolved future id reached the forward"
         write_req_to_token(self.req_to_token, mwb, mwb.out_cache_loc, self._upload)
         self.kv_tokens[mwb.out_cache_loc] = input_ids
-        tokens, hidden = [], []
-        for row, seq_len, prefix in zip(mwb.req_pool_indices, mwb.seq_lens, mwb.extend_prefix_lens):
+        tokens, hidden, prompt_lps, prompt_preds = [], [], [], []
+        rows, start = iter(mwb.prompt_logprob_rows), 0
+        row_at = next(rows, -1)
+        targets = iter(mwb.prompt_logprob_targets)
+        for row, seq_len, p, n in zip(mwb.req_pool_indices, mwb.seq_lens, mwb.extend_prefix_lens, mwb.extend_seq_lens):
             seq = self.kv_tokens[self.req_to_token[row, :seq_len].to(torch.int64)].tolist()
             assert -1 not in seq, f"row {row} reads a KV slot nothing wrote"
             if self.pooler is not None:
-                hidden.append(stub_hidden_states(seq)[prefix:])
+                hidden.append(stub_hidden_states(seq)[p:])
                 continue
             tokens.append(next_token(seq, self.vocab_size))
+            while start <= row_at < start + n:  # a prompt row of this request: position p + its offset
+                prefix = seq[: p + row_at - start + 1]
+                prompt_lps.append(stub_prompt_logprob(prefix, next(targets), self.vocab_size))
+                prompt_preds.append(next_token(prefix, self.vocab_size))
+                row_at = next(rows, -1)
+            start += n
         if self.pooler is not None:
             partials = self.pooler.partials(torch.cat(hidden), torch.tensor(mwb.extend_seq_lens))
             return EmbeddingResult(next_token_ids=[], partials=partials)
         out = torch.tensor(tokens, dtype=torch.int64)
         self.futures.store(mwb.future_ids, out)
+        result = BatchResult(next_token_ids=tokens)
+        if mwb.prompt_logprob_rows:
+            pk = mwb.prompt_top_k
+            result.prompt_logprobs = prompt_lps
+            result.prompt_top_logprobs = [[-j / 10 for j in range(pk)] for _ in prompt_preds]
+            result.prompt_top_ids = [[(t + j) % self.vocab_size for j in range(pk)] for t in prompt_preds]
         if not mwb.return_logprob:
-            return BatchResult(next_token_ids=tokens)
+            return result
         k = max(max(mwb.top_logprobs_nums), 0)
-        tops = [[t, *((t + j) % self.vocab_size for j in range(1, k))][:k] for t in tokens]
-        return BatchResult(
-            next_token_ids=tokens,
-            token_logprobs=[0.0] * bs,
-            top_logprobs=[[-j / 10 for j in range(k)] for _ in tokens],
-            top_ids=tops,
-        )
+        result.token_logprobs = [0.0] * bs
+        result.top_logprobs = [[-j / 10 for j in range(k)] for _ in tokens]
+        result.top_ids = [[t, *((t + j) % self.vocab_size for j in range(1, k))][:k] for t in tokens]
+        return result

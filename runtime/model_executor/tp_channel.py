@@ -12,6 +12,7 @@ Payload layout (bs requests, T new tokens, S row syncs):
   extend_prefix_lens[bs] extend_seq_lens[bs] has_prefix_slots[bs]
   prefix_slots[sum of extend_prefix_lens over rows with has_prefix_slots]
   sync_rows[S] sync_lens[S] sync_slots[sum sync_lens]
+  prompt_logprob_rows[the rest]
 
 Side messages (Command.SIDE) carry what is not a forward: prefill/decode
 disaggregation's KV transfer orders (runtime/disaggregation/ranks.py). Header
@@ -84,6 +85,7 @@ def encode(inputs: ForwardInputs, input_ids: torch.Tensor) -> tuple[torch.Tensor
         torch.tensor([row for row, _ in syncs], dtype=i64),
         torch.tensor([slots.numel() for _, slots in syncs], dtype=i64),
         *(slots.to(i64) for _, slots in syncs),
+        torch.tensor(inputs.prompt_logprob_rows, dtype=i64),
     ]
     payload = torch.cat(parts)
     header = torch.tensor([Command.FORWARD, inputs.forward_mode, bs, input_ids.numel(), len(syncs), payload.numel()], dtype=i64)
@@ -115,6 +117,7 @@ def decode(header: torch.Tensor, payload: torch.Tensor) -> ForwardInputs:
         extend_seq_lens=extend_lens,
         prefix_slots=prefix_slots,
         row_syncs=row_syncs,
+        prompt_logprob_rows=payload[pos:].tolist(),
     )
 
 

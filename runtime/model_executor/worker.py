@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -36,6 +36,9 @@ class ForwardInputs:
     # (row, slots of row[:len]) the scheduler rewrote since the worker last saw the
     # row; applied before this batch's own writes.
     row_syncs: list[tuple[int, torch.Tensor]]
+    # Prompt logprobs: the packed token indices whose logits are projected for them
+    # (every rank joins those all-gathers; runtime/managers/prompt_logprobs.py).
+    prompt_logprob_rows: list[int] = field(default_factory=list, kw_only=True)
 
 
 @dataclass(slots=True)
@@ -46,6 +49,8 @@ class ModelWorkerBatch(ForwardInputs):
     future_ids: torch.Tensor  # [bs] negative ids under which this batch's next tokens are stored
     top_logprobs_nums: list[int]  # -1 = no logprobs for that request
     return_logprob: bool = False
+    prompt_logprob_targets: list[int] = field(default_factory=list)  # the token each prompt row scores
+    prompt_top_k: int = 0  # top alternatives per prompt row
 
 
 @dataclass(slots=True)
@@ -54,6 +59,10 @@ class BatchResult:
     token_logprobs: list[float] | None = None  # [bs]
     top_logprobs: list[list[float]] | None = None  # [bs][k]
     top_ids: list[list[int]] | None = None
+    # Per prompt_logprob_rows entry: the target's logprob, and the top alternatives.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[float]] | None = None
+    prompt_top_ids: list[list[int]] | None = None
 
 
 class Worker(Protocol):
