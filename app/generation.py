@@ -23,7 +23,7 @@ import structlog
 from app.errors import APIError, from_invalid_request
 from app.state import AppState, Ticket
 from runtime.errors import InvalidRequest
-from runtime.managers.io_struct import BootstrapInfo, GenerateOutput, MetaInfo, TokenLogprob
+from runtime.managers.io_struct import BootstrapInfo, GenerateOutput, MetaInfo, PromptTokenLogprob, TokenLogprob
 from runtime.managers.trace import TraceOptions
 from runtime.sampling_params import SamplingParams
 
@@ -50,10 +50,15 @@ class Choice:
     prompt_ids: list[int]
     params: SamplingParams
     bootstrap: BootstrapInfo | None = None  # prefill/decode disaggregation
+    logprob_start_len: int = -1  # >= 0: the engine reports the prompt's logprobs from there on
     text_parts: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
     top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    # Prompt logprobs arrive once, in the engine's first chunk, and are kept as soon as it
+    # arrives (GenerationGroup._take): `start()` returning means they are here.
+    prompt_logprobs: list[PromptTokenLogprob] = field(default_factory=list)
+    prompt_top_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
     meta: MetaInfo | None = None  # of the latest chunk
     started: bool = False  # produced a chunk (or ended)
     finished: bool = False  # the engine reported finish_reason (or the stream ended)
@@ -87,6 +92,10 @@ class Choice:
             meta["output_token_logprobs"] = list(self.token_logprobs)
         if "output_top_logprobs" in meta:
             meta["output_top_logprobs"] = list(self.top_logprobs)
+        if "input_token_logprobs" in meta:
+            meta["input_token_logprobs"] = list(self.prompt_logprobs)
+        if "input_top_logprobs" in meta:
+            meta["input_top_logprobs"] = list(self.prompt_top_logprobs)
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
 
@@ -144,6 +153,7 @@ class GenerationGroup:
                 top_logprobs_num=self._top_logprobs_num,
                 bootstrap=choice.bootstrap,
                 trace=self._trace,
+                logprob_start_len=choice.logprob_start_len,
             )
             async for chunk in stream:
                 timer.on_chunk(chunk)
@@ -182,6 +192,8 @@ class GenerationGroup:
                     raise from_invalid_request(item) from item
                 raise item
             self._mark_started(choice)
+            choice.prompt_logprobs.extend(item["meta_info"].get("input_token_logprobs", ()))
+            choice.prompt_top_logprobs.extend(item["meta_info"].get("input_top_logprobs", ()))
             reason = item["meta_info"]["finish_reason"]
             if reason is not None:
                 choice.finished = True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, cast
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from app.protocol import (
     MAX_CHOICES,
@@ -46,13 +46,24 @@ class GenerateRequest(GenerationBody):
     rid: Rid | list[Rid] | None = None
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
+    logprob_start_len: int | list[int] = Field(-1, description=(
+        "With return_logprob: -1 = output tokens only; s >= 0 = also the prompt's tokens from position s on "
+        "(meta_info.input_token_logprobs, whose first entry has logprob null). Must be below the prompt's length."))
+    return_text_in_logprobs: bool = Field(False, description="Fill each logprob entry's third element with its token's text.")
+
+    @field_validator("logprob_start_len")
+    @classmethod
+    def _start_or_minus_one(cls, value: int | list[int]) -> int | list[int]:
+        if any(s < -1 for s in (value if isinstance(value, list) else [value])):
+            raise ValueError("must be -1 (output tokens only) or a prompt position >= 0")
+        return value
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("exactly one of text or input_ids is required")
         n = len(self.prompts())
-        for name in ("sampling_params", "rid"):
+        for name in ("sampling_params", "rid", "logprob_start_len"):
             value = getattr(self, name)
             if isinstance(value, list) and (not self.batched or len(value) != n):
                 raise ValueError(f"a list of {name} needs a batch of as many prompts ({n})")

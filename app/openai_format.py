@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import NamedTuple
 
 from app.generation import Choice
 from app.responses import Payload
 from app.tokens import TokenizerService
-from runtime.managers.io_struct import MetaInfo, TokenLogprob
+from runtime.managers.io_struct import MetaInfo, PromptTokenLogprob, TokenLogprob
 
 
 def new_id(prefix: str) -> str:
@@ -52,30 +53,46 @@ def new_logprobs(meta: MetaInfo) -> tuple[list[TokenLogprob], list[list[TokenLog
     return meta.get("output_token_logprobs", []), meta.get("output_top_logprobs", [])
 
 
+class EchoedPrompt(NamedTuple):
+    """An echoed prompt and what the engine computed of its logprobs (empty if nothing)."""
+
+    ids: list[int]
+    logprobs: list[PromptTokenLogprob]  # (None, first token), then (logprob, token) per token
+    tops: list[list[TokenLogprob] | None]  # with top_logprobs_num > 0: None, then each token's
+
+
 def completion_logprobs(
     tokens: TokenizerService,
     sampled: list[TokenLogprob],
     tops: list[list[TokenLogprob]],
     text_offset: int,
-    prompt_ids: list[int] | None = None,
+    prompt: EchoedPrompt | None = None,
 ) -> tuple[Payload, int]:
     """OpenAI completions `logprobs` for these output tokens (and, with echo, the prompt's
-    tokens first, whose logprobs the engine does not compute: null), the first starting
-    at `text_offset`. Returns the object and the text offset after its last token."""
+    tokens first: null for the first one, as OpenAI and vLLM report it, and for any the
+    engine did not score), the first starting at `text_offset`. Returns the object and the
+    text offset after its last token."""
     texts: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
-    for token_id in prompt_ids or []:
-        texts.append(tokens.token_text(token_id))
-        token_logprobs.append(None)
-        top_logprobs.append(None)
-    for i, (logprob, token_id) in enumerate(sampled):
+
+    def add(token_id: int, logprob: float | None, top: list[TokenLogprob] | None) -> None:
         text = tokens.token_text(int(token_id))
         texts.append(text)
-        token_logprobs.append(float(logprob))
-        entry = {tokens.token_text(int(t)): float(lp) for lp, t in (tops[i] if i < len(tops) and tops[i] else [])}
+        token_logprobs.append(None if logprob is None else float(logprob))
+        if logprob is None:
+            top_logprobs.append(None)
+            return
+        entry = {tokens.token_text(int(t)): float(lp) for lp, t in top or []}
         entry.setdefault(text, float(logprob))
         top_logprobs.append(entry)
+
+    if prompt is not None:
+        scored = len(prompt.logprobs) == len(prompt.ids)
+        for j, token_id in enumerate(prompt.ids):
+            add(token_id, prompt.logprobs[j][0] if scored else None, prompt.tops[j] if j < len(prompt.tops) else None)
+    for i, (logprob, token_id) in enumerate(sampled):
+        add(token_id, logprob, tops[i] if i < len(tops) else None)
     offsets: list[int] = []
     for text in texts:
         offsets.append(text_offset)

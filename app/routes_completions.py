@@ -9,7 +9,7 @@ from starlette.responses import Response
 
 from app.errors import APIError
 from app.generation import Choice, GenerationGroup
-from app.openai_format import completion_logprobs, finish_reason, new_id, new_logprobs, now, usage
+from app.openai_format import EchoedPrompt, completion_logprobs, finish_reason, new_id, new_logprobs, now, usage
 from app.protocol import CompletionRequest
 from app.responses import Payload
 from app.sampling import for_choice, sampling_params
@@ -40,12 +40,15 @@ async def _plan(state: AppState, req: CompletionRequest, tokens: TokenizerServic
     group_id = new_id("cmpl")
     choices = []
     boots = req.bootstraps(len(prompt_ids), req.n)
+    # echo with logprobs scores the prompt: its first choice asks, the others share that.
+    score_prompt = req.echo and req.logprobs is not None
     for p, ids in enumerate(prompt_ids):
         params = sampling_params(req, check_context(len(ids), req.max_tokens, state.context_len))
         for j in range(req.n):
             index = p * req.n + j
             rid = group_id if len(prompt_ids) * req.n == 1 else f"{group_id}-{index}"
-            choices.append(Choice(index, rid, ids, for_choice(params, index), boots[index]))
+            start = 0 if score_prompt and j == 0 else -1
+            choices.append(Choice(index, rid, ids, for_choice(params, index), boots[index], logprob_start_len=start))
     return Plan(
         group_id, choices, lambda group: _CompletionView(state, req, group, tokens, prompt_texts),
         return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0,
@@ -68,13 +71,18 @@ class _CompletionView:
     def _echo(self, choice: Choice) -> str:
         return self.prompt_texts[choice.index // self.req.n] if self.req.echo else ""
 
+    def _prompt_logprobs(self, choice: Choice) -> EchoedPrompt:
+        """The echoed prompt's logprobs, which the prompt's first choice computed."""
+        first = self.group.choices[choice.index - choice.index % self.req.n]
+        return EchoedPrompt(choice.prompt_ids, first.prompt_logprobs, first.prompt_top_logprobs)
+
     def final(self) -> Payload:
         out = []
         for choice in self.group.choices:
             lp = None
             if self.req.logprobs is not None:
-                echo_ids = choice.prompt_ids if self.req.echo else None
-                lp, _ = completion_logprobs(self.tokens, choice.token_logprobs, choice.top_logprobs, 0, echo_ids)
+                echo = self._prompt_logprobs(choice) if self.req.echo else None
+                lp, _ = completion_logprobs(self.tokens, choice.token_logprobs, choice.top_logprobs, 0, echo)
             reason = finish_reason(choice.final_meta()) or "abort"
             out.append({"index": choice.index, "text": self._echo(choice) + choice.text, "logprobs": lp, "finish_reason": reason})
         return {**self.head, "choices": out, "usage": usage(self.group.choices, self.req.n), "system_fingerprint": None}
@@ -94,7 +102,8 @@ class _CompletionView:
             for choice in self.group.choices:
                 text, lp = self._echo(choice), None
                 if want_logprobs:
-                    lp, text_offsets[choice.index] = completion_logprobs(self.tokens, [], [], 0, choice.prompt_ids)
+                    echo = self._prompt_logprobs(choice)
+                    lp, text_offsets[choice.index] = completion_logprobs(self.tokens, [], [], 0, echo)
                 else:
                     text_offsets[choice.index] = len(text)
                 yield self._chunk(choice.index, text, lp, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -18,6 +19,7 @@ from app.sampling import sampling_params
 from app.serving import Plan, app_state, check_context, serve_generation
 from app.state import AppState
 from app.tokens import TokenizerService
+from runtime.managers.io_struct import PromptTokenLogprob, TokenLogprob
 from runtime.sampling_params import DEFAULT_MAX_NEW_TOKENS
 
 VERSION = "0.1.0"
@@ -43,28 +45,50 @@ async def _plan(state: AppState, req: GenerateRequest, tokens: TokenizerService)
         body = (req.sampling_params[i] if isinstance(req.sampling_params, list) else req.sampling_params) or SamplingParamsBody()
         max_new = check_context(len(ids), body.max_new_tokens, state.context_len, default=DEFAULT_MAX_NEW_TOKENS)
         rid = req.rid[i] if isinstance(req.rid, list) else group_id if not req.batched else f"{group_id}-{i}"
-        choices.append(Choice(i, rid, ids, sampling_params(body, max_new), boots[i]))
+        start = req.logprob_start_len[i] if isinstance(req.logprob_start_len, list) else req.logprob_start_len
+        choices.append(Choice(i, rid, ids, sampling_params(body, max_new), boots[i], logprob_start_len=start))
     return Plan(
-        group_id, choices, lambda group: _NativeView(group, req.batched),
+        group_id, choices, lambda group: _NativeView(group, req.batched, tokens, req.return_text_in_logprobs),
         return_logprob=req.return_logprob or req.top_logprobs_num > 0, top_logprobs_num=req.top_logprobs_num,
     )
 
 
 class _NativeView:
     """SGLang's native output: every event carries the whole output so far plus `delta`;
-    a batch answers with a list, and its stream's events carry their prompt's `index`."""
+    a batch answers with a list, and its stream's events carry their prompt's `index`.
 
-    def __init__(self, group: GenerationGroup, batched: bool) -> None:
+    Prompt logprob entries take SGLang's shape, [logprob, token_id, text or null] (text with
+    return_text_in_logprobs, which also gives the output's entries their text; without
+    it those stay [logprob, token_id])."""
+
+    def __init__(self, group: GenerationGroup, batched: bool, tokens: TokenizerService, with_text: bool) -> None:
         self.group = group
         self.batched = batched
+        self.tokens = tokens
+        self.with_text = with_text
+
+    def _whole(self, index: int) -> Payload:
+        whole = self.group.choices[index].cumulative()
+        meta: dict[str, Any] = dict(whole["meta_info"])
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            if key in meta and (key.startswith("input") or self.with_text):
+                meta[key] = [self._entry(e) for e in meta[key]]
+        for key in ("input_top_logprobs", "output_top_logprobs"):
+            if key in meta and (key.startswith("input") or self.with_text):
+                meta[key] = [None if top is None else [self._entry(e) for e in top] for top in meta[key]]
+        return {"text": whole["text"], "output_ids": whole["output_ids"], "meta_info": meta}
+
+    def _entry(self, entry: PromptTokenLogprob | TokenLogprob) -> list[float | int | str | None]:
+        logprob, token_id = entry
+        return [logprob, token_id, self.tokens.token_text(token_id) if self.with_text else None]
 
     def final(self) -> Payload | list[Payload]:
-        outs: list[Payload] = [dict(c.cumulative()) for c in self.group.choices]
+        outs = [self._whole(i) for i in range(len(self.group.choices))]
         return outs if self.batched else outs[0]
 
     async def stream(self) -> AsyncIterator[Payload]:
         async for index, chunk in self.group.events():
-            whole = self.group.choices[index].cumulative()
+            whole = self._whole(index)
             event: Payload = {"text": whole["text"], "delta": chunk["text"], "output_ids": whole["output_ids"],
                               "meta_info": whole["meta_info"]}
             yield {**event, "index": index} if self.batched else event

@@ -305,6 +305,7 @@ class FakeEngine:
         self.bootstraps: list[BootstrapInfo | None] = []  # what each engine request was given
         self.rids: list[str] = []
         self.calls: list[SamplingParams] = []
+        self.logprob_starts: list[int] = []  # each request's logprob_start_len
 
     def get_server_info(self) -> dict[str, Any]:
         return {"max_total_num_tokens": 4096, "num_running_reqs": 0, "num_waiting_reqs": self.num_waiting_reqs}
@@ -318,33 +319,43 @@ class FakeEngine:
     def async_generate_stream(self, prompt: list[int], params: SamplingParams, rid: str = "",
                               return_logprob: bool = False, top_logprobs_num: int = 0,
                               bootstrap: BootstrapInfo | None = None,
-                              trace: TraceOptions | None = None) -> AsyncGenerator[GenerateOutput, None]:
+                              trace: TraceOptions | None = None, logprob_start_len: int = -1) -> AsyncGenerator[GenerateOutput, None]:
         self.bootstraps.append(bootstrap)
         self.rids.append(rid)
-        return self._stream(prompt, params, rid, return_logprob, top_logprobs_num)
+        self.logprob_starts.append(logprob_start_len)
+        return self._stream(prompt, params, rid, return_logprob, top_logprobs_num, logprob_start_len)
 
     async def _stream(self, prompt: list[int], params: SamplingParams, rid: str, return_logprob: bool,
-                      top_logprobs_num: int) -> AsyncGenerator[GenerateOutput, None]:
+                      top_logprobs_num: int, logprob_start_len: int = -1) -> AsyncGenerator[GenerateOutput, None]:
         if self.fail == "invalid":
             raise InvalidRequest("top_k is out of range", param="top_k")
         params.validate()  # the engine's check, as the real one runs it
         self.calls.append(params)
         out = prompt[: params.max_new_tokens]
-        for i, token in enumerate(out, start=1):
+        if logprob_start_len >= len(prompt):
+            raise InvalidRequest("logprob_start_len is past the prompt", param="logprob_start_len")
+        # max_new_tokens=0: one chunk, with no token (prefill only).
+        for i, token in enumerate(out or [None], start=1):
             if self.fail == "crash" or (self.fail == "mid_stream" and i == 2):
                 raise RuntimeError("worker died")
-            done = i == len(out)
+            done = i >= len(out)
             meta: MetaInfo = {
-                "id": rid, "prompt_tokens": len(prompt), "completion_tokens": i, "cached_tokens": 0,
-                "finish_reason": {"type": "length", "matched": i} if done else None, "queue_time": 0.0,
+                "id": rid, "prompt_tokens": len(prompt), "completion_tokens": len(out[:i]), "cached_tokens": 0,
+                "finish_reason": {"type": "length", "matched": len(out[:i])} if done else None, "queue_time": 0.0,
                 "first_token_time": None, "e2e_latency": None,
             }
+            if logprob_start_len >= 0:  # prompt token j scores fake_logprob(j), in the first chunk
+                scored = prompt[logprob_start_len:] if i == 1 else []
+                meta["input_token_logprobs"] = [(None if j == 0 else fake_logprob(t), t) for j, t in enumerate(scored)]
+                if top_logprobs_num:
+                    meta["input_top_logprobs"] = [None if j == 0 else [(fake_logprob(t), t)] for j, t in enumerate(scored)]
+            tokens = [] if token is None else [token]
             if return_logprob:
-                meta["output_token_logprobs"] = [(fake_logprob(token), token)]
+                meta["output_token_logprobs"] = [(fake_logprob(t), t) for t in tokens]
             if top_logprobs_num:
-                alternatives = [(fake_logprob(token), token), (fake_logprob(token) - 1.0, (token + 1) % 256)]
-                meta["output_top_logprobs"] = [alternatives[:top_logprobs_num]]
-            yield {"text": chr(token), "output_ids": [token], "meta_info": meta}
+                meta["output_top_logprobs"] = [[(fake_logprob(t), t), (fake_logprob(t) - 1.0, (t + 1) % 256)][:top_logprobs_num]
+                                               for t in tokens]
+            yield {"text": "".join(map(chr, tokens)), "output_ids": tokens, "meta_info": meta}
 
 
 # Fixtures of the in-process suites, which import them: `engine`, `state` (READY, at most two
