@@ -180,6 +180,7 @@ SLOW_FIXTURES = frozenset(
         "tp_engine", "tp_logits", "pd_tp",  # test_tp.py, test_tp_layers.py, test_pd_tp.py
         "traced_server",  # test_server_trace.py, test_dashboard_browser.py
         "qwen3_embedding_dir", "embedding_server",  # test_embeddings.py (a saved HF model, a server)
+        "plp_engine",  # test_prompt_logprobs.py
     }
 )
 # Slow without any of those fixtures: node ids (parameters aside), or a file for all its tests.
