@@ -19,14 +19,12 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from runtime.managers.io_struct import PromptTokenLogprob, TokenLogprob
 from runtime.model_executor.worker import BatchResult
-
-if TYPE_CHECKING:
-    from runtime.managers.req import Req
 
 
 class PromptLogprobs:
@@ -76,6 +74,14 @@ class PromptLogprobs:
         return entries, tops
 
 
+class ScoringReq(Protocol):
+    """What the batch-level helpers read of a request (runtime's Req)."""
+
+    origin_input_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    epoch: int
+
+
 @dataclass(slots=True)
 class PromptLogprobRows:
     """The prompt positions one prefill batch scores. `rows` index the batch's packed new
@@ -89,7 +95,7 @@ class PromptLogprobRows:
     top_k: int  # the most top alternatives any of these requests asked for
 
     @staticmethod
-    def plan(reqs: list[Req], prefix_lens: list[int], extend_lens: list[int]) -> PromptLogprobRows | None:
+    def plan(reqs: Sequence[ScoringReq], prefix_lens: list[int], extend_lens: list[int]) -> PromptLogprobRows | None:
         """Schedule the positions each request still needs from this prefill; None if none does."""
         counts, rows, targets, top_k, start = [], [], [], 0, 0
         for req, p, n in zip(reqs, prefix_lens, extend_lens):
@@ -103,7 +109,7 @@ class PromptLogprobRows:
             start += n
         return PromptLogprobRows(counts, rows, targets, top_k) if rows else None
 
-    def deliver(self, reqs: list[Req], epochs: list[int], result: BatchResult) -> None:
+    def deliver(self, reqs: Sequence[ScoringReq], epochs: list[int], result: BatchResult) -> None:
         """Hand each request its rows' results (a retracted request's are stale: dropped)."""
         values, top_lps, top_ids = result.prompt_logprobs, result.prompt_top_logprobs, result.prompt_top_ids
         assert values is not None and len(values) == len(self.rows), "the worker skipped prompt logprobs"
