@@ -103,8 +103,11 @@ def from_schema(schema: Schema, defs: Schema) -> st.SearchStrategy[Any]:
 def _bounded(body: dict[str, Any], data: st.DataObject, kind: str) -> None:
     """Keep a valid body cheap: a few tokens, a few choices, usually the served model."""
     if kind == "generate":
-        params = body.get("sampling_params")
-        body["sampling_params"] = {**(params or {}), "max_new_tokens": data.draw(st.integers(1, 4))}
+        params, budget = body.get("sampling_params"), {"max_new_tokens": data.draw(st.integers(1, 4))}
+        if isinstance(params, list):  # a batch: one per prompt
+            body["sampling_params"] = [{**p, **budget} if isinstance(p, dict) else p for p in params]
+        else:
+            body["sampling_params"] = {**(params or {}), **budget}
         body.pop("rid", None)  # random rids may collide with each other: a 400 by design
         return
     if kind == "openai":
@@ -162,7 +165,7 @@ def _check(response: httpx.Response, body: Any) -> None:
         payloads = sse_payloads(response)
         assert not any("error" in p for p in payloads), payloads
     else:
-        assert isinstance(response.json(), dict)
+        assert isinstance(response.json(), dict | list)  # a batched /generate answers a list
 
 
 # path -> (request schema, kind of bounding)
