@@ -211,8 +211,8 @@ class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
         `bootstrap`: on a prefill/decode server, where the KV goes or comes from.
         `trace`: return_trace, the caller's trace context and arrival (runtime/managers/trace.py).
         `logprob_start_len` >= 0 (with return_logprob): prompt logprobs too (LogprobOptions)."""
-        logprobs = LogprobOptions(return_logprob, top_logprobs_num, logprob_start_len)
-        return await self._generate_one(prompt, sampling_params, rid, logprobs, bootstrap, trace)
+        return await self._generate_one(prompt, sampling_params, rid, return_logprob, top_logprobs_num, bootstrap, trace,
+                                        logprob_start_len)
 
     async def async_generate_stream(
         self,
@@ -242,9 +242,10 @@ class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
                 self.abort(req.rid, why="stream_closed")
 
     async def _generate_one(
-        self, prompt: Prompt, params: SamplingInput, rid: str | None, logprobs: LogprobOptions,
-        bootstrap: BootstrapInfo | None = None, trace: TraceOptions | None = None,
+        self, prompt: Prompt, params: SamplingInput, rid: str | None, return_logprob: bool, top_k: int,
+        bootstrap: BootstrapInfo | None = None, trace: TraceOptions | None = None, logprob_start_len: int = -1,
     ) -> GenerateOutput:
+        logprobs = LogprobOptions(return_logprob, top_k, logprob_start_len)
         req, queue = await self._submit(prompt, params, rid, False, logprobs, bootstrap, trace)
         try:
             item = await queue.get()
@@ -274,7 +275,7 @@ class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
 
         async def run_all() -> list[GenerateOutput]:
             trace = TraceOptions(return_trace=True) if return_trace else None
-            tasks = [asyncio.ensure_future(self._generate_one(p, sp, None, LogprobOptions(return_logprob, top_logprobs_num, s), None, trace))
+            tasks = [asyncio.ensure_future(self._generate_one(p, sp, None, return_logprob, top_logprobs_num, None, trace, s))
                      for p, sp, s in zip(prompts, params, starts)]
             try:
                 return list(await asyncio.gather(*tasks))
