@@ -152,7 +152,7 @@ def test_bad_logprob_start_len_is_refused_before_queueing(make_stub: Callable[..
 
 
 def test_prefill_disaggregation_refuses_prompt_logprobs_and_prefill_only_requests() -> None:
-    limits = RequestLimits(64, VOCAB, 64, (), torch.device("cpu"), "prefill")
+    limits = RequestLimits(64, VOCAB, 64, (), torch.device("cpu"), disaggregation_mode="prefill")
     assert logprob_start_len(-1, 8, 1, limits) == -1
     for start, max_new, param in ((0, 1, "logprob_start_len"), (-1, 0, "max_new_tokens")):
         with pytest.raises(InvalidRequest) as info:
