@@ -187,6 +187,7 @@ class ScheduleBatch:
     def filter_batch(self, keep: list[int]) -> None:
         if len(keep) != len(self.reqs):  # keep is an ascending subset of range(len(reqs))
             self._decode_sampling = None
+            self.batch_is_full = False  # a row or KV was freed: admission must look again
         self.reqs = [self.reqs[i] for i in keep]
         self.seq_lens = [self.seq_lens[i] for i in keep]
         self.next_input = [self.next_input[i] for i in keep]
