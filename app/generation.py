@@ -50,6 +50,7 @@ class Choice:
     prompt_ids: list[int]
     params: SamplingParams
     bootstrap: BootstrapInfo | None = None  # prefill/decode disaggregation
+    priority: int | None = None  # None: not given (the engine's default)
     text_parts: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -144,6 +145,7 @@ class GenerationGroup:
                 top_logprobs_num=self._top_logprobs_num,
                 bootstrap=choice.bootstrap,
                 trace=self._trace,
+                priority=choice.priority,
             )
             async for chunk in stream:
                 timer.on_chunk(chunk)

@@ -69,7 +69,14 @@ class EngineSettings:
     )
     max_prefill_tokens: int = knob(16384, "Token budget of one prefill batch.")
     schedule_policy: Literal["fcfs", "lpm", "dfs-weight", "lof", "random", "priority"] = knob(
-        "fcfs", "Order of the waiting queue."
+        "fcfs", "Order of the waiting queue. priority: by each request's `priority` field, then arrival."
+    )
+    schedule_low_priority_values_first: bool = knob(
+        False, "With --schedule-policy priority: smaller `priority` values run first (by default larger ones do)."
+    )
+    abort_on_priority_when_disabled: bool = knob(
+        False, "Refuse (400) requests that give a `priority` unless --schedule-policy is priority "
+        "(by default such a priority is ignored)."
     )
     schedule_conservativeness: float = knob(
         1.0, "Scales the reserved decode budget (new_token_ratio); >1 admits fewer requests."

@@ -158,17 +158,18 @@ class Engine:
 
     def _make_req(
         self, ids: list[int], params: SamplingInput, rid: str, return_logprob: bool, top_logprobs_num: int,
-        bootstrap: BootstrapInfo | None,
+        bootstrap: BootstrapInfo | None, priority: int | None = None,
     ) -> Req:
         limits = RequestLimits(
             self.model_config.context_len, self.model_config.vocab_size,
             self.pools.max_total_num_tokens - self.settings.page_size, self.model_config.eos_token_ids, self.worker.device,
+            refuses_priority=self.settings.abort_on_priority_when_disabled and self.settings.schedule_policy != "priority",
         )
         if bootstrap is None and disaggregation.needs_bootstrap(self.settings):
             raise InvalidRequest(
                 f"this is a {self.settings.disaggregation_mode} server: requests need bootstrap_host, bootstrap_port "
                 "and bootstrap_room (send them through sglang-router --pd-disaggregation)", param="bootstrap_room")
-        req = make_req(ids, params, rid, return_logprob, top_logprobs_num, limits)
+        req = make_req(ids, params, rid, return_logprob, top_logprobs_num, limits, priority)
         if req.sampling_params.grammar is not None and self.scheduler.grammars is None:
             kind = req.sampling_params.grammar[0]
             raise InvalidRequest(f"{kind} needs structured output: this server runs --grammar-backend none", param=kind)
@@ -177,7 +178,7 @@ class Engine:
 
     async def _submit(
         self, prompt: Prompt, params: SamplingInput, rid: str | None, stream: bool, return_logprob: bool, top_logprobs_num: int,
-        bootstrap: BootstrapInfo | None = None, trace: TraceOptions | None = None,
+        bootstrap: BootstrapInfo | None = None, trace: TraceOptions | None = None, priority: int | None = None,
     ) -> tuple[Req, asyncio.Queue[Delivery]]:
         arrival = time.monotonic()
         caller = asyncio.get_running_loop()
@@ -188,7 +189,7 @@ class Engine:
             ids = list(prompt)
         else:
             raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
-        req = self._make_req(ids, params, rid or uuid.uuid4().hex, return_logprob, top_logprobs_num, bootstrap)
+        req = self._make_req(ids, params, rid or uuid.uuid4().hex, return_logprob, top_logprobs_num, bootstrap, priority)
         req.trace.received(arrival, trace)
         queue: asyncio.Queue[Delivery] = asyncio.Queue()
         deliver: Callable[[Delivery], None]
@@ -218,11 +219,14 @@ class Engine:
         top_logprobs_num: int = 0,
         bootstrap: BootstrapInfo | None = None,
         trace: TraceOptions | None = None,
+        priority: int | None = None,
     ) -> GenerateOutput:
         """The whole output of one prompt. Cancelling the awaiting task aborts the request.
         `bootstrap`: on a prefill/decode server, where the KV goes or comes from.
-        `trace`: return_trace, the caller's trace context and arrival (runtime/managers/trace.py)."""
-        return await self._generate_one(prompt, sampling_params, rid, return_logprob, top_logprobs_num, bootstrap, trace)
+        `trace`: return_trace, the caller's trace context and arrival (runtime/managers/trace.py).
+        `priority`: its rank under --schedule-policy priority (None: the default, 0)."""
+        return await self._generate_one(prompt, sampling_params, rid, return_logprob, top_logprobs_num, bootstrap, trace,
+                                        priority)
 
     async def async_generate_stream(
         self,
@@ -233,10 +237,12 @@ class Engine:
         top_logprobs_num: int = 0,
         bootstrap: BootstrapInfo | None = None,
         trace: TraceOptions | None = None,
+        priority: int | None = None,
     ) -> AsyncGenerator[GenerateOutput, None]:
         """The output of one prompt as delta chunks (io_struct); the last has finish_reason.
         Closing it early (aclose, break, cancelling the task) aborts the request."""
-        req, queue = await self._submit(prompt, sampling_params, rid, True, return_logprob, top_logprobs_num, bootstrap, trace)
+        req, queue = await self._submit(prompt, sampling_params, rid, True, return_logprob, top_logprobs_num, bootstrap, trace,
+                                        priority)
         finished = False
         try:
             while not finished:
@@ -251,9 +257,9 @@ class Engine:
 
     async def _generate_one(
         self, prompt: Prompt, params: SamplingInput, rid: str | None, return_logprob: bool, top_k: int,
-        bootstrap: BootstrapInfo | None = None, trace: TraceOptions | None = None,
+        bootstrap: BootstrapInfo | None = None, trace: TraceOptions | None = None, priority: int | None = None,
     ) -> GenerateOutput:
-        req, queue = await self._submit(prompt, params, rid, False, return_logprob, top_k, bootstrap, trace)
+        req, queue = await self._submit(prompt, params, rid, False, return_logprob, top_k, bootstrap, trace, priority)
         try:
             item = await queue.get()
         except asyncio.CancelledError:
@@ -270,18 +276,22 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         return_trace: bool = False,
+        priority: int | list[int] | None = None,
     ) -> GenerateOutput | list[GenerateOutput]:
         batched = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
         prompts = cast(list[Prompt], list(prompt) if batched else [prompt])
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequest("sampling_params must match the number of prompts", param="sampling_params")
+        priorities = priority if isinstance(priority, list) else [priority] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise InvalidRequest("priority must match the number of prompts", param="priority")
         loop = self._ensure_started()
 
         async def run_all() -> list[GenerateOutput]:
             trace = TraceOptions(return_trace=True) if return_trace else None
-            tasks = [asyncio.ensure_future(self._generate_one(p, sp, None, return_logprob, top_logprobs_num, None, trace))
-                     for p, sp in zip(prompts, params)]
+            tasks = [asyncio.ensure_future(self._generate_one(p, sp, None, return_logprob, top_logprobs_num, None, trace, pr))
+                     for p, sp, pr in zip(prompts, params, priorities)]
             try:
                 return list(await asyncio.gather(*tasks))
             except BaseException:

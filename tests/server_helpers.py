@@ -304,6 +304,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.bootstraps: list[BootstrapInfo | None] = []  # what each engine request was given
         self.rids: list[str] = []
+        self.priorities: list[int | None] = []
         self.calls: list[SamplingParams] = []
 
     def get_server_info(self) -> dict[str, Any]:
@@ -318,9 +319,11 @@ class FakeEngine:
     def async_generate_stream(self, prompt: list[int], params: SamplingParams, rid: str = "",
                               return_logprob: bool = False, top_logprobs_num: int = 0,
                               bootstrap: BootstrapInfo | None = None,
-                              trace: TraceOptions | None = None) -> AsyncGenerator[GenerateOutput, None]:
+                              trace: TraceOptions | None = None,
+                              priority: int | None = None) -> AsyncGenerator[GenerateOutput, None]:
         self.bootstraps.append(bootstrap)
         self.rids.append(rid)
+        self.priorities.append(priority)
         return self._stream(prompt, params, rid, return_logprob, top_logprobs_num)
 
     async def _stream(self, prompt: list[int], params: SamplingParams, rid: str, return_logprob: bool,

@@ -35,7 +35,8 @@ class PrefillManager:
         self.max_prefill_tokens = settings.max_prefill_tokens
         self.chunked_prefill_size = None if settings.chunked_prefill_size in (None, -1) else settings.chunked_prefill_size
         self.enable_mixed_chunk = settings.enable_mixed_chunk
-        self.policy = SchedulePolicy(settings.schedule_policy, pools.tree_cache, settings.random_seed)
+        self.policy = SchedulePolicy(settings.schedule_policy, pools.tree_cache, settings.random_seed,
+                                     settings.schedule_low_priority_values_first)
         self.stats = stats
         self.waiting_queue: list[Req] = []
         self.chunked_req: Req | None = None

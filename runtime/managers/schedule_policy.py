@@ -26,10 +26,11 @@ IN_BATCH_PREFIX_TOKENS = 32
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache: PrefixCache, seed: int | None = None) -> None:
+    def __init__(self, policy: str, tree_cache: PrefixCache, seed: int | None = None, low_priority_first: bool = False) -> None:
         self.policy = policy
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)
+        self.priority_sign = -1 if low_priority_first else 1  # priority: larger (or smaller) values first
 
     def calc_priority(self, queue: list[Req]) -> bool:
         """Reorder `queue` in place. Returns True if prefixes were matched here."""
@@ -44,7 +45,7 @@ class SchedulePolicy:
         elif policy == "random":
             self.rng.shuffle(queue)
         elif policy == "priority":
-            queue.sort(key=lambda r: (-r.priority, r.arrival_time))
+            queue.sort(key=lambda r: (-r.priority * self.priority_sign, r.arrival_time))
         elif policy == "lpm":
             for r in queue:
                 r.init_next_round_input(self.tree_cache)

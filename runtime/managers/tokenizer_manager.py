@@ -10,7 +10,7 @@ import torch
 
 from runtime.errors import InvalidRequest
 from runtime.managers.req import Req
-from runtime.sampling_params import DEFAULT_MAX_NEW_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
+from runtime.sampling_params import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRIORITY, MAX_TOP_LOGPROBS, SamplingParams, check_priority
 
 SamplingInput = SamplingParams | dict[str, Any] | None  # a dict uses SamplingParams' field names
 
@@ -22,6 +22,7 @@ class RequestLimits:
     kv_tokens: int  # prompt + output tokens one request may hold in the KV pool
     eos_token_ids: tuple[int, ...]
     device: torch.device
+    refuses_priority: bool = False  # --abort-on-priority-when-disabled on a server not scheduling by priority
 
 
 def sampling_params(params: SamplingInput, room: int) -> SamplingParams:
@@ -39,7 +40,8 @@ def sampling_params(params: SamplingInput, room: int) -> SamplingParams:
 
 
 def make_req(
-    ids: list[int], params: SamplingInput, rid: str, return_logprob: bool, top_logprobs_num: int, limits: RequestLimits
+    ids: list[int], params: SamplingInput, rid: str, return_logprob: bool, top_logprobs_num: int, limits: RequestLimits,
+    priority: int | None = None,
 ) -> Req:
     ctx, n = limits.context_len, len(ids)
     if not ids:
@@ -61,7 +63,11 @@ def make_req(
         raise InvalidRequest(f"logit_bias token ids must be in [0, {limits.vocab_size})", param="logit_bias")
     if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
         raise InvalidRequest(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
-    req = Req(rid, ids, sp, limits.eos_token_ids, return_logprob or top_logprobs_num > 0, top_logprobs_num)
+    if priority is not None and limits.refuses_priority:
+        raise InvalidRequest("this server does not schedule by priority (--abort-on-priority-when-disabled): "
+                             "send the request without one", param="priority")
+    prio = DEFAULT_PRIORITY if priority is None else check_priority(priority)
+    req = Req(rid, ids, sp, limits.eos_token_ids, return_logprob or top_logprobs_num > 0, top_logprobs_num, prio)
     if sp.seed is not None and not sp.is_greedy:
         req.generator = torch.Generator(device=limits.device).manual_seed(sp.seed)
     return req
