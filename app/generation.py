@@ -51,6 +51,7 @@ class Choice:
     params: SamplingParams
     bootstrap: BootstrapInfo | None = None  # prefill/decode disaggregation
     logprob_start_len: int = -1  # >= 0: the engine reports the prompt's logprobs from there on
+    priority: int | None = None  # None: not given (the engine's default)
     text_parts: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -154,6 +155,7 @@ class GenerationGroup:
                 bootstrap=choice.bootstrap,
                 trace=self._trace,
                 logprob_start_len=choice.logprob_start_len,
+                priority=choice.priority,
             )
             async for chunk in stream:
                 timer.on_chunk(chunk)

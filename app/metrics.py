@@ -51,6 +51,7 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("sglang:cached_tokens_total", "cached_tokens_total", "Prompt tokens served from the prefix cache."),
     ("sglang:num_requests_total", "num_requests_total", "Requests finished."),
     ("sglang:num_aborted_requests_total", "num_aborted_requests_total", "Requests aborted."),
+    ("sluice:num_preempted_reqs_total", "num_preempted_reqs_total", "Running requests preempted for higher-priority ones."),
     ("sglang:kv_transfer_bytes_total", "kv_transfer_bytes_total", "KV bytes sent (prefill) or received (decode)."),
     ("sglang:kv_transfers_total", "kv_transfers_total", "Requests whose KV transfer completed."),
     ("sglang:kv_transfer_failures_total", "kv_transfer_failures_total", "Requests whose KV transfer failed."),

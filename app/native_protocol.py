@@ -18,6 +18,7 @@ from app.protocol import (
     EngineParam,
     GenerationBody,
     NonEmptyText,
+    RequestParam,
     SamplingKnobs,
     Strict,
     Text,
@@ -37,13 +38,14 @@ class SamplingParamsBody(SamplingKnobs):
 
 
 class GenerateRequest(GenerationBody):
-    """One prompt, or a batch: a list of texts or of token-id lists (then sampling_params
-    and rid may be lists too, one per prompt), answered with a list."""
+    """One prompt, or a batch: a list of texts or of token-id lists (then sampling_params,
+    rid and priority may be lists too, one per prompt), answered with a list."""
 
     text: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     sampling_params: SamplingParamsBody | list[SamplingParamsBody] | None = None
     rid: Rid | list[Rid] | None = None
+    priority: Annotated[int | list[int] | None, RequestParam("priority")] = None
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
     logprob_start_len: int | list[int] = Field(-1, description=(
@@ -63,7 +65,7 @@ class GenerateRequest(GenerationBody):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("exactly one of text or input_ids is required")
         n = len(self.prompts())
-        for name in ("sampling_params", "rid", "logprob_start_len"):
+        for name in ("sampling_params", "rid", "logprob_start_len", "priority"):
             value = getattr(self, name)
             if isinstance(value, list) and (not self.batched or len(value) != n):
                 raise ValueError(f"a list of {name} needs a batch of as many prompts ({n})")

@@ -21,7 +21,7 @@ from pydantic_core import CoreSchema
 
 from app.errors import APIError
 from runtime.managers.io_struct import BootstrapInfo
-from runtime.sampling_params import INT32_MAX, MAX_TOP_LOGPROBS, PARAM_SPECS
+from runtime.sampling_params import INT32_MAX, MAX_TOP_LOGPROBS, PARAM_SPECS, REQUEST_SPECS, ParamSpec
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 64  # prompts x n in one request
@@ -53,14 +53,28 @@ class EngineParam:
     note: str = ""  # what this route adds, e.g. its default
 
     def __get_pydantic_json_schema__(self, core: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
-        schema = handler(core)
-        spec = PARAM_SPECS[self.name]
-        for branch in schema.get("anyOf", [schema]):
-            target = branch.get("items", {}) if branch.get("type") == "array" else branch
-            if target.get("type") in ("integer", "number"):
-                target.update(spec.json_schema())
-        schema["description"] = f"{spec.doc} {self.note}".strip()
-        return schema
+        return _documented(handler(core), PARAM_SPECS[self.name], self.note)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestParam:
+    """Marks a request-level field that is no sampling param (`priority`): its schema
+    documents REQUEST_SPECS[name], and the app checks its value with the engine's check."""
+
+    name: str
+
+    def __get_pydantic_json_schema__(self, core: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return _documented(handler(core), REQUEST_SPECS[self.name], "")
+
+
+def _documented(schema: JsonSchemaValue, spec: ParamSpec, note: str) -> JsonSchemaValue:
+    """`schema` with `spec`'s bounds on its numbers (each item's, for a list) and its doc."""
+    for branch in schema.get("anyOf", [schema]):
+        target = branch.get("items", {}) if branch.get("type") == "array" else branch
+        if target.get("type") in ("integer", "number"):
+            target.update(spec.json_schema())
+    schema["description"] = f"{spec.doc} {note}".strip()
+    return schema
 
 
 class Strict(BaseModel):
@@ -157,6 +171,7 @@ class SamplingFields(SamplingKnobs, GenerationBody):
     """What both OpenAI routes take besides their prompt (OpenAI names plus vLLM's extras)."""
 
     n: int = Field(1, ge=1, le=MAX_N)
+    priority: Annotated[int | None, RequestParam("priority")] = None  # vLLM's and SGLang's extra, for every choice
     min_tokens: Annotated[int | None, EngineParam("min_new_tokens")] = None
     include_stop_str_in_output: Annotated[bool | None, EngineParam("no_stop_trim")] = None
     stream_options: StreamOptions | None = None

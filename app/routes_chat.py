@@ -12,7 +12,7 @@ from app.openai_format import chat_logprobs, finish_reason, new_id, new_logprobs
 from app.errors import APIError
 from app.protocol import ChatCompletionRequest
 from app.responses import Payload
-from app.sampling import for_choice, sampling_params, with_constraint
+from app.sampling import for_choice, request_priority, sampling_params, with_constraint
 from app.serving import Plan, check_context, serve_generation
 from app.state import AppState
 from app.tokens import TokenizerService
@@ -37,8 +37,9 @@ async def _plan(state: AppState, req: ChatCompletionRequest, tokens: TokenizerSe
     params = with_constraint(params, tools.constraint(), "tool_choice")
     group_id = new_id("chatcmpl")
     boots = req.bootstraps(1, req.n)
+    priority = request_priority(req.priority)
     choices = [
-        Choice(i, group_id if req.n == 1 else f"{group_id}-{i}", prompt_ids, for_choice(params, i), boots[i])
+        Choice(i, group_id if req.n == 1 else f"{group_id}-{i}", prompt_ids, for_choice(params, i), boots[i], priority=priority)
         for i in range(req.n)
     ]
     return Plan(

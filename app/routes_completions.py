@@ -12,7 +12,7 @@ from app.generation import Choice, GenerationGroup
 from app.openai_format import EchoedPrompt, completion_logprobs, finish_reason, new_id, new_logprobs, now, usage
 from app.protocol import CompletionRequest
 from app.responses import Payload
-from app.sampling import for_choice, sampling_params
+from app.sampling import for_choice, request_priority, sampling_params
 from app.serving import Plan, check_context, serve_generation
 from app.state import AppState
 from app.tokens import TokenizerService
@@ -42,13 +42,14 @@ async def _plan(state: AppState, req: CompletionRequest, tokens: TokenizerServic
     boots = req.bootstraps(len(prompt_ids), req.n)
     # echo with logprobs scores the prompt: its first choice asks, the others share that.
     score_prompt = req.echo and req.logprobs is not None
+    priority = request_priority(req.priority)
     for p, ids in enumerate(prompt_ids):
         params = sampling_params(req, check_context(len(ids), req.max_tokens, state.context_len))
         for j in range(req.n):
             index = p * req.n + j
             rid = group_id if len(prompt_ids) * req.n == 1 else f"{group_id}-{index}"
             start = 0 if score_prompt and j == 0 else -1
-            choices.append(Choice(index, rid, ids, for_choice(params, index), boots[index], logprob_start_len=start))
+            choices.append(Choice(index, rid, ids, for_choice(params, index), boots[index], start, priority))
     return Plan(
         group_id, choices, lambda group: _CompletionView(state, req, group, tokens, prompt_texts),
         return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0,

@@ -15,7 +15,7 @@ from app.errors import APIError
 from app.generation import Choice, GenerationGroup
 from app.native_protocol import AbortRequest, GenerateRequest, SamplingParamsBody
 from app.responses import JSONResponse, Payload
-from app.sampling import sampling_params
+from app.sampling import request_priority, sampling_params
 from app.serving import Plan, app_state, check_context, serve_generation
 from app.state import AppState
 from app.tokens import TokenizerService
@@ -46,7 +46,8 @@ async def _plan(state: AppState, req: GenerateRequest, tokens: TokenizerService)
         max_new = check_context(len(ids), body.max_new_tokens, state.context_len, default=DEFAULT_MAX_NEW_TOKENS)
         rid = req.rid[i] if isinstance(req.rid, list) else group_id if not req.batched else f"{group_id}-{i}"
         start = req.logprob_start_len[i] if isinstance(req.logprob_start_len, list) else req.logprob_start_len
-        choices.append(Choice(i, rid, ids, sampling_params(body, max_new), boots[i], logprob_start_len=start))
+        priority = request_priority(req.priority[i] if isinstance(req.priority, list) else req.priority)
+        choices.append(Choice(i, rid, ids, sampling_params(body, max_new), boots[i], start, priority))
     return Plan(
         group_id, choices, lambda group: _NativeView(group, req.batched, tokens, req.return_text_in_logprobs),
         return_logprob=req.return_logprob or req.top_logprobs_num > 0, top_logprobs_num=req.top_logprobs_num,

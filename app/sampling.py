@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from app.errors import APIError
 from app.protocol import EngineParam
 from runtime.errors import InvalidParam
-from runtime.sampling_params import SEED_END, SamplingParams
+from runtime.sampling_params import SEED_END, SamplingParams, check_priority
 
 
 @cache
@@ -45,6 +45,16 @@ def sampling_params(body: BaseModel, max_new_tokens: int) -> SamplingParams:
     except InvalidParam as exc:
         name = names.get(exc.param or "", exc.param or "")
         raise APIError(400, exc.describe(name), param=name) from exc
+
+
+def request_priority(value: int | None) -> int | None:
+    """The body's `priority` (None: not given), checked by the engine's rule: 400 if out of range."""
+    if value is None:
+        return None
+    try:
+        return check_priority(value)
+    except InvalidParam as exc:
+        raise APIError(400, str(exc), param="priority") from exc
 
 
 def for_choice(params: SamplingParams, index: int) -> SamplingParams:

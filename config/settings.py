@@ -78,7 +78,22 @@ class EngineSettings:
     )
     max_prefill_tokens: int = knob(16384, "Token budget of one prefill batch.")
     schedule_policy: Literal["fcfs", "lpm", "dfs-weight", "lof", "random", "priority"] = knob(
-        "fcfs", "Order of the waiting queue."
+        "fcfs", "Order of the waiting queue. priority: by each request's `priority` field, then arrival."
+    )
+    schedule_low_priority_values_first: bool = knob(
+        False, "With --schedule-policy priority: smaller `priority` values run first (by default larger ones do)."
+    )
+    enable_priority_preemption: bool = knob(
+        False, "With --schedule-policy priority: a waiting request that lacks KV or a running slot retracts "
+        "running requests of lower priority, which keep their output and re-prefill later."
+    )
+    priority_scheduling_preemption_threshold: int = knob(
+        0, "Preemption needs the waiting request's priority to beat a running one's by more than this "
+        "(0: any lower priority; SGLang's default is 10)."
+    )
+    abort_on_priority_when_disabled: bool = knob(
+        False, "Refuse (400) requests that give a `priority` unless --schedule-policy is priority "
+        "(by default such a priority is ignored)."
     )
     schedule_conservativeness: float = knob(
         1.0, "Scales the reserved decode budget (new_token_ratio); >1 admits fewer requests."
@@ -203,6 +218,10 @@ def validate(s: EngineSettings | ServerSettings) -> None:
             raise SettingsError(f"mem_fraction_static={s.mem_fraction_static}: must be in (0, 1)")
         if s.schedule_conservativeness <= 0:
             raise SettingsError("schedule_conservativeness: must be > 0")
+        if s.enable_priority_preemption and s.schedule_policy != "priority":
+            raise SettingsError("enable_priority_preemption needs schedule_policy=priority")
+        _check_min("priority_scheduling_preemption_threshold", s.priority_scheduling_preemption_threshold, 0,
+                   allow_none=False)
         _check_min("tp_size", s.tp_size, 1, allow_none=False)
         _check_min("nnodes", s.nnodes, 1, allow_none=False)
         _check_min("dist_timeout", s.dist_timeout, 1, allow_none=False)

@@ -160,11 +160,12 @@ class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
         s, config = self.settings, self.model_config
         return RequestLimits(config.context_len, config.vocab_size, self.pools.max_total_num_tokens - s.page_size,
                              config.eos_token_ids, self.worker.device, s.is_embedding, s.disaggregation_mode,
-                             disaggregation.needs_bootstrap(s), self.scheduler.grammars is not None)
+                             disaggregation.needs_bootstrap(s), self.scheduler.grammars is not None,
+                             refuses_priority=s.abort_on_priority_when_disabled and s.schedule_policy != "priority")
 
     async def _submit(
         self, prompt: Prompt, params: SamplingInput, rid: str | None, stream: bool, logprobs: LogprobOptions,
-        bootstrap: BootstrapInfo | None = None, trace: TraceOptions | None = None,
+        bootstrap: BootstrapInfo | None = None, trace: TraceOptions | None = None, priority: int | None = None,
     ) -> tuple[Req, asyncio.Queue[Delivery]]:
         arrival = time.monotonic()
         caller = asyncio.get_running_loop()
@@ -175,7 +176,7 @@ class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
             ids = list(prompt)
         else:
             raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
-        req = make_req(ids, params, rid or uuid.uuid4().hex, logprobs, self._limits(), bootstrap)
+        req = make_req(ids, params, rid or uuid.uuid4().hex, logprobs, self._limits(), bootstrap, priority)
         req.trace.received(arrival, trace)
         queue: asyncio.Queue[Delivery] = asyncio.Queue()
         deliver: Callable[[Delivery], None]
@@ -206,13 +207,15 @@ class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
         bootstrap: BootstrapInfo | None = None,
         trace: TraceOptions | None = None,
         logprob_start_len: int = -1,
+        priority: int | None = None,
     ) -> GenerateOutput:
         """The whole output of one prompt. Cancelling the awaiting task aborts the request.
         `bootstrap`: on a prefill/decode server, where the KV goes or comes from.
         `trace`: return_trace, the caller's trace context and arrival (runtime/managers/trace.py).
-        `logprob_start_len` >= 0 (with return_logprob): prompt logprobs too (LogprobOptions)."""
+        `logprob_start_len` >= 0 (with return_logprob): prompt logprobs too (LogprobOptions).
+        `priority`: its rank under --schedule-policy priority (None: the default, 0)."""
         return await self._generate_one(prompt, sampling_params, rid, return_logprob, top_logprobs_num, bootstrap, trace,
-                                        logprob_start_len)
+                                        logprob_start_len, priority)
 
     async def async_generate_stream(
         self,
@@ -224,11 +227,12 @@ class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
         bootstrap: BootstrapInfo | None = None,
         trace: TraceOptions | None = None,
         logprob_start_len: int = -1,
+        priority: int | None = None,
     ) -> AsyncGenerator[GenerateOutput, None]:
         """The output of one prompt as delta chunks (io_struct); the last has finish_reason.
         Closing it early (aclose, break, cancelling the task) aborts the request."""
         logprobs = LogprobOptions(return_logprob, top_logprobs_num, logprob_start_len)
-        req, queue = await self._submit(prompt, sampling_params, rid, True, logprobs, bootstrap, trace)
+        req, queue = await self._submit(prompt, sampling_params, rid, True, logprobs, bootstrap, trace, priority)
         finished = False
         try:
             while not finished:
@@ -244,9 +248,10 @@ class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
     async def _generate_one(
         self, prompt: Prompt, params: SamplingInput, rid: str | None, return_logprob: bool, top_k: int,
         bootstrap: BootstrapInfo | None = None, trace: TraceOptions | None = None, logprob_start_len: int = -1,
+        priority: int | None = None,
     ) -> GenerateOutput:
         logprobs = LogprobOptions(return_logprob, top_k, logprob_start_len)
-        req, queue = await self._submit(prompt, params, rid, False, logprobs, bootstrap, trace)
+        req, queue = await self._submit(prompt, params, rid, False, logprobs, bootstrap, trace, priority)
         try:
             item = await queue.get()
         except asyncio.CancelledError:
@@ -264,6 +269,7 @@ class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
         top_logprobs_num: int = 0,
         return_trace: bool = False,
         logprob_start_len: int | list[int] = -1,
+        priority: int | list[int] | None = None,
     ) -> GenerateOutput | list[GenerateOutput]:
         batched = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
         prompts = cast(list[Prompt], list(prompt) if batched else [prompt])
@@ -271,12 +277,15 @@ class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
         starts = logprob_start_len if isinstance(logprob_start_len, list) else [logprob_start_len] * len(prompts)
         if len(params) != len(prompts) or len(starts) != len(prompts):
             raise InvalidRequest("sampling_params and logprob_start_len must match the number of prompts", param="sampling_params")
+        priorities = priority if isinstance(priority, list) else [priority] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise InvalidRequest("priority must match the number of prompts", param="priority")
         loop = self._ensure_started()
 
         async def run_all() -> list[GenerateOutput]:
             trace = TraceOptions(return_trace=True) if return_trace else None
-            tasks = [asyncio.ensure_future(self._generate_one(p, sp, None, return_logprob, top_logprobs_num, None, trace, s))
-                     for p, sp, s in zip(prompts, params, starts)]
+            tasks = [asyncio.ensure_future(self._generate_one(p, sp, None, return_logprob, top_logprobs_num, None, trace, s, pr))
+                     for p, sp, s, pr in zip(prompts, params, starts, priorities)]
             try:
                 return list(await asyncio.gather(*tasks))
             except BaseException:

@@ -31,6 +31,8 @@ def _num(x: float) -> str:
             return f"2**{k}"
         if x == 2**k - 1:
             return f"2**{k} - 1"
+        if x == -(2**k):
+            return f"-2**{k}"
     return f"{x:g}"
 
 
@@ -158,6 +160,26 @@ class SamplingParams:
 
 PARAM_SPECS: dict[str, ParamSpec] = {f.name: f.metadata["spec"] for f in fields(SamplingParams)}
 _HINTS: dict[str, object] = typing.get_type_hints(SamplingParams)
+
+# Request-level params that are not sampling params, declared the same way: the routes'
+# schemas document these specs and the engine and the app both check with `check_priority`.
+DEFAULT_PRIORITY = 0
+REQUEST_SPECS: dict[str, ParamSpec] = {
+    "priority": ParamSpec(
+        "Scheduling priority under --schedule-policy priority: larger values run first (smaller ones with "
+        "--schedule-low-priority-values-first), and with --enable-priority-preemption may preempt running "
+        "requests of lower priority. Absent: 0. Ignored under other policies.",
+        ge=-(2**31), le=INT32_MAX,
+    ),
+}
+
+
+def check_priority(value: object) -> int:
+    """`value` as a request's priority; InvalidParam if it is not an int32."""
+    reason = _violation(int, REQUEST_SPECS["priority"], value)
+    if reason is not None:
+        raise InvalidParam("priority", value, reason)
+    return typing.cast(int, value)
 
 
 def _is_int(x: object) -> bool:

@@ -304,6 +304,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.bootstraps: list[BootstrapInfo | None] = []  # what each engine request was given
         self.rids: list[str] = []
+        self.priorities: list[int | None] = []
         self.calls: list[SamplingParams] = []
         self.logprob_starts: list[int] = []  # each request's logprob_start_len
 
@@ -319,10 +320,12 @@ class FakeEngine:
     def async_generate_stream(self, prompt: list[int], params: SamplingParams, rid: str = "",
                               return_logprob: bool = False, top_logprobs_num: int = 0,
                               bootstrap: BootstrapInfo | None = None,
-                              trace: TraceOptions | None = None, logprob_start_len: int = -1) -> AsyncGenerator[GenerateOutput, None]:
+                              trace: TraceOptions | None = None, logprob_start_len: int = -1,
+                              priority: int | None = None) -> AsyncGenerator[GenerateOutput, None]:
         self.bootstraps.append(bootstrap)
         self.rids.append(rid)
         self.logprob_starts.append(logprob_start_len)
+        self.priorities.append(priority)
         return self._stream(prompt, params, rid, return_logprob, top_logprobs_num, logprob_start_len)
 
     async def _stream(self, prompt: list[int], params: SamplingParams, rid: str, return_logprob: bool,

@@ -158,3 +158,53 @@ async def test_the_native_stream_sends_the_whole_output_so_far_with_each_delta(c
     assert [e["meta_info"]["completion_tokens"] for e in events] == [1, 2, 3, 4]
     assert "delta" not in final and final["text"] == "abcd"
     assert final["meta_info"]["output_top_logprobs"] == [[[fake_logprob(b), b]] for b in b"abcd"]
+
+
+# ---- priority: a request-level field, bounded in runtime.sampling_params.REQUEST_SPECS ----------
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+PRIORITY_ROUTES = {"/v1/completions": _body("/v1/completions"), "/v1/chat/completions": CHAT, "/generate": _body("/generate")}
+
+
+@pytest.mark.parametrize("path", PRIORITY_ROUTES)
+async def test_priority_reaches_the_engine_for_every_choice(client: httpx.AsyncClient, engine: FakeEngine, path: str) -> None:
+    body = {**PRIORITY_ROUTES[path], "priority": -7}
+    if path != "/generate":
+        body["n"] = 2
+    assert (await client.post(path, json=body)).status_code == 200
+    assert engine.priorities == ([-7] if path == "/generate" else [-7, -7])
+    engine.priorities.clear()
+    assert (await client.post(path, json=PRIORITY_ROUTES[path])).status_code == 200
+    assert set(engine.priorities) == {None}  # not given: the engine's default
+
+
+async def test_a_batched_generate_takes_one_priority_per_prompt(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    r = await client.post("/generate", json={"text": ["ab", "cd", "ef"], "sampling_params": {"max_new_tokens": 1},
+                                             "priority": [3, 0, -1]})
+    assert r.status_code == 200, r.text
+    assert engine.priorities == [3, 0, -1]
+    r = await client.post("/generate", json={"text": ["ab", "cd"], "priority": [1]})
+    assert r.status_code == 400 and "priority" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("bad", [2**31, -(2**31) - 1, "1", 1.5, True, [1]])
+@pytest.mark.parametrize("path", PRIORITY_ROUTES)
+async def test_a_priority_that_is_no_int32_is_a_400_before_anything_runs(
+    client: httpx.AsyncClient, engine: FakeEngine, path: str, bad: object
+) -> None:
+    r = await client.post(path, json={**PRIORITY_ROUTES[path], "priority": bad})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "priority" in f"{error['param']} {error['message']}"
+    if isinstance(bad, int) and not isinstance(bad, bool):  # the range: the engine's rule, in its words
+        assert error["message"] == f"priority={bad}: must be an integer in [-2**31, 2**31 - 1]"
+    assert engine.calls == []
+
+
+def test_the_schema_documents_the_priority_bounds() -> None:
+    schemas = openapi_document()["components"]["schemas"]
+    for model in ("CompletionRequest", "ChatCompletionRequest", "GenerateRequest"):
+        prop = schemas[model]["properties"]["priority"]
+        ints = [b.get("items", b) for b in prop["anyOf"] if b.get("type") in ("integer", "array")]
+        assert ints and all((b["minimum"], b["maximum"]) == (-(2**31), 2**31 - 1) for b in ints), model
+        assert prop["description"].startswith("Scheduling priority")

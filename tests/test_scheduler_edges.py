@@ -22,7 +22,9 @@ from tests.stub_engine import (
     make_prompts,
     oracle,
     output_ids,
+    record_forwards,
 )
+from runtime.model_executor.forward_batch import ForwardMode
 
 EDGE_CONFIGS = ["default", "page4-chunk10", "mixed-chunk16", "page16"]
 
@@ -107,6 +109,21 @@ def test_a_request_as_large_as_the_pool_admits_runs_alone_to_the_end(page: int, 
     outs = generate_all(engine, [prompt, prompt[:20]], [greedy(max_new), greedy(30)])
     assert output_ids(outs) == [oracle(engine, prompt, max_new), oracle(engine, prompt[:20], 30)]
     assert finish_types(outs) == ["length", "length"]
+
+
+@pytest.mark.parametrize("overlap", OVERLAP.values(), ids=OVERLAP.keys())
+def test_a_row_freed_by_a_finished_request_is_refilled_while_others_still_run(
+    overlap: bool, make_stub: Callable[..., Engine]
+) -> None:
+    """A full batch that loses a request admits the next waiting one at once, not
+    only once the whole batch has drained."""
+    engine = make_stub(max_running_requests=2, disable_overlap_schedule=overlap)
+    forwards = record_forwards(engine)
+    prompts = make_prompts([8, 8, 8], seed=12)
+    outs = generate_all(engine, prompts, [greedy(n) for n in (2, 30, 2)])
+    assert output_ids(outs) == [oracle(engine, p, n) for p, n in zip(prompts, (2, 30, 2))]
+    extends = [i for i, f in enumerate(forwards) if f.forward_mode == ForwardMode.EXTEND]
+    assert len(extends) == 2 and extends[1] <= 3, [f.forward_mode.name for f in forwards]
 
 
 @pytest.mark.parametrize("overlap", OVERLAP.values(), ids=OVERLAP.keys())

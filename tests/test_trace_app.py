@@ -30,9 +30,10 @@ APPS: dict[int, ASGIApp] = {}  # engine -> the app serving it, for the tests tha
 
 
 @contextlib.asynccontextmanager
-async def serving() -> AsyncIterator[tuple[httpx.AsyncClient, Engine, AppState]]:
-    """The app over a stub engine whose scheduler runs on this loop (as `sluice serve` runs it)."""
-    engine = stub_engine()
+async def serving(**settings: Any) -> AsyncIterator[tuple[httpx.AsyncClient, Engine, AppState]]:
+    """The app over a stub engine (with these engine `settings`) whose scheduler runs on
+    this loop (as `sluice serve` runs it)."""
+    engine = stub_engine(**settings)
     await engine.start()
     state = AppState(ServerSettings(api_key=KEY), engine.settings)
     state.attach(engine, TokenizerService(engine.tokenizer))

@@ -6,7 +6,7 @@
 const KEY_STORE = "sluice.apiKey";
 const SVG = "http://www.w3.org/2000/svg";
 const LANES = ["tokenize", "queue", "prefill", "decode", "kv_transfer"];
-const MARKS = ["first_token", "retracted", "abort_requested", "finished"];
+const MARKS = ["first_token", "retracted", "preempted", "abort_requested", "finished"];
 let selected = null;          // rid whose timeline is shown
 let selectedRunning = false;  // refresh it with every event while it runs
 

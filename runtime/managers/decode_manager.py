@@ -15,6 +15,7 @@ from collections.abc import Callable
 import structlog
 
 from config.settings import EngineSettings
+from runtime.managers.priority import PriorityRule
 from runtime.managers.req import Req
 from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.managers.scheduler_stats import LoadSnapshot, SchedulerStats
@@ -38,6 +39,8 @@ class DecodeManager:
         self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_new_token_ratio
+        # Under the priority policy a decode round short of KV retracts the lowest priorities first.
+        self.retract_rank = PriorityRule.of(settings).rank if settings.schedule_policy == "priority" else None
 
     def empty_batch(self) -> ScheduleBatch:
         return ScheduleBatch([], self.pools.req_to_token_pool, self.pools.allocator, self.pools.tree_cache)
@@ -94,7 +97,7 @@ class DecodeManager:
         retracted: list[Req] = []
         if not batch.check_decode_mem():
             held = {id(r): n for r, n in zip(batch.reqs, batch.seq_lens)}  # KV slots, for the traces
-            retracted = batch.retract_decode()
+            retracted = batch.retract_decode(self.retract_rank)
             for r in retracted:
                 r.trace.retracted(len(r.output_ids), held[id(r)])
             self.new_token_ratio = self.init_new_token_ratio

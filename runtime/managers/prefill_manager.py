@@ -6,6 +6,9 @@ Invariants:
   that nothing has locked yet.
 - `chunked_req`, when set, holds a row and the KV of its computed chunks; its next
   chunk runs before any new request is admitted.
+- With --enable-priority-preemption, a request refused for lack of KV or of a running
+  slot may retract running requests of lower priority (priority.py); they join the
+  waiting queue after the round's admissions.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from config.settings import EngineSettings
+from runtime.managers.priority import Preemption, PriorityRule
 from runtime.managers.req import Req
 from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
@@ -35,10 +39,18 @@ class PrefillManager:
         self.max_prefill_tokens = settings.max_prefill_tokens
         self.chunked_prefill_size = None if settings.chunked_prefill_size in (None, -1) else settings.chunked_prefill_size
         self.enable_mixed_chunk = settings.enable_mixed_chunk
-        self.policy = SchedulePolicy(settings.schedule_policy, pools.tree_cache, settings.random_seed)
+        self.policy = SchedulePolicy(settings.schedule_policy, pools.tree_cache, settings.random_seed,
+                                     settings.schedule_low_priority_values_first)
         self.stats = stats
+        self.preemption = Preemption(PriorityRule.of(settings), stats) if settings.enable_priority_preemption else None
         self.waiting_queue: list[Req] = []
         self.chunked_req: Req | None = None
+
+    def _no_row(self, running: ScheduleBatch, admitted: int, max_running_requests: int, live: bool = False) -> bool:
+        """Whether one more request than `admitted` would pass max_running_requests or the
+        free rows. `live`: not counting running requests that finished (and hold no row)."""
+        bs = sum(not r.finished() for r in running.reqs) if live else running.batch_size()
+        return bs + admitted >= max_running_requests or admitted >= self.pools.req_to_token_pool.available_size()
 
     @staticmethod
     def release_waiting(req: Req) -> None:
@@ -49,11 +61,14 @@ class PrefillManager:
     def get_new_batch_prefill(
         self, running: ScheduleBatch, new_token_ratio: float, max_running_requests: int, snapshot: Callable[[], LoadSnapshot]
     ) -> PrefillBatch | None:
-        if (running.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
+        if not self.waiting_queue and self.chunked_req is None:
             return None
         running_bs = running.batch_size()
-        room = min(max_running_requests - running_bs, self.pools.req_to_token_pool.available_size())
-        if room <= 0 and self.chunked_req is None:
+        full = running.batch_is_full or self._no_row(running, 0, max_running_requests)
+        # A full batch is worth a round only for a waiting request that may preempt.
+        if full and self.chunked_req is None and (
+            self.preemption is None or not self.preemption.may_preempt(self.waiting_queue, running)
+        ):
             running.batch_is_full = True
             return None
 
@@ -76,17 +91,29 @@ class PrefillManager:
             self.chunked_req.init_next_round_input()
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
 
+        preempted: list[Req] = []
         for req in self.waiting_queue:
-            if running_bs + len(adder.can_run_list) >= max_running_requests or len(adder.can_run_list) >= room:
+            no_row = self._no_row(running, len(adder.can_run_list), max_running_requests)
+            if no_row and self.preemption is None:
                 running.batch_is_full = True
                 break
             if not prefix_done:
                 req.init_next_round_input(tree_cache)
-            result = adder.add_req(req)
+            result = AddReqResult.OTHER if no_row else adder.add_req(req)
+            refused = no_row or (result == AddReqResult.NO_TOKEN and adder.can_run_list[-1:] != [req])
+            if refused and self.preemption is not None:
+                # A slot held only by a finished request frees this round: nothing to preempt for.
+                need_row = no_row and self._no_row(running, len(adder.can_run_list), max_running_requests, live=True)
+                victims = self.preemption.make_room(req, running, adder, need_row) if need_row or not no_row else []
+                if victims:
+                    preempted += victims
+                    no_row = self._no_row(running, len(adder.can_run_list), max_running_requests)
+                    result = AddReqResult.OTHER if no_row else adder.add_req(req)
             if result != AddReqResult.CONTINUE:
-                if result == AddReqResult.NO_TOKEN:
+                if no_row or result == AddReqResult.NO_TOKEN:
                     running.batch_is_full = True
                 break
+        self.waiting_queue += preempted  # after the admissions: not readmitted this round
 
         can_run = adder.can_run_list
         if not can_run:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
 import torch
@@ -164,13 +165,12 @@ class ScheduleBatch:
         self.input_ids = torch.tensor(self.next_input, dtype=torch.int64)
         self.prefix_slots = [None] * len(self.reqs)
 
-    def retract_decode(self) -> list[Req]:
-        """Remove requests (fewest outputs, then longest prompts, first) until the
-        rest can decode. A retracted request keeps its output; its computed KV goes
-        to the prefix cache, so re-prefilling it mostly hits the cache."""
+    def retract_decode(self, rank: Callable[[Req], int] | None = None) -> list[Req]:
+        """Remove requests (lowest `rank` if given, then fewest outputs, then longest
+        prompts, first) until the rest can decode."""
         order = sorted(
             range(self.batch_size()),
-            key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
+            key=lambda i: (rank(self.reqs[i]) if rank else 0, len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
             reverse=True,
         )
         retracted: list[Req] = []
@@ -178,19 +178,26 @@ class ScheduleBatch:
             if len(order) == 1:
                 raise RuntimeError("KV pool too small for a single request; admission should have rejected it")
             i = order.pop()
-            req = self.reqs[i]
-            self.tree_cache.cache_finished_req(req, kv_len=self.seq_lens[i])
-            req.reset_for_retract()
-            retracted.append(req)
-            self.filter_batch([j for j in range(self.batch_size()) if j != i])
+            retracted.append(self.retract(i))
             order = [j - (j > i) for j in order]
         self.batch_is_full = False
         return retracted
+
+    def retract(self, i: int) -> Req:
+        """Send request i back to waiting. It keeps its output; its computed KV goes to the
+        prefix cache, so re-prefilling it mostly hits the cache; the result of a forward
+        launched before is dropped (its epoch moves)."""
+        req = self.reqs[i]
+        self.tree_cache.cache_finished_req(req, kv_len=self.seq_lens[i])
+        req.reset_for_retract()
+        self.filter_batch([j for j in range(self.batch_size()) if j != i])
+        return req
 
     # ---- set operations ----------------------------------------------------------
     def filter_batch(self, keep: list[int]) -> None:
         if len(keep) != len(self.reqs):  # keep is an ascending subset of range(len(reqs))
             self._decode_sampling = None
+            self.batch_is_full = False  # a row or KV was freed: admission must look again
         self.reqs = [self.reqs[i] for i in keep]
         self.seq_lens = [self.seq_lens[i] for i in keep]
         self.next_input = [self.next_input[i] for i in keep]

@@ -26,10 +26,11 @@ IN_BATCH_PREFIX_TOKENS = 32
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache: PrefixCache, seed: int | None = None) -> None:
+    def __init__(self, policy: str, tree_cache: PrefixCache, seed: int | None = None, low_priority_first: bool = False) -> None:
         self.policy = policy
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)
+        self.priority_sign = -1 if low_priority_first else 1  # priority: larger (or smaller) values first
 
     def calc_priority(self, queue: list[Req]) -> bool:
         """Reorder `queue` in place. Returns True if prefixes were matched here."""
@@ -44,7 +45,7 @@ class SchedulePolicy:
         elif policy == "random":
             self.rng.shuffle(queue)
         elif policy == "priority":
-            queue.sort(key=lambda r: (-r.priority, r.arrival_time))
+            queue.sort(key=lambda r: (-r.priority * self.priority_sign, r.arrival_time))
         elif policy == "lpm":
             for r in queue:
                 r.init_next_round_input(self.tree_cache)
@@ -128,9 +129,9 @@ class PrefillAdder:
         self.new_token_ratio = new_token_ratio
         self.rem_input_tokens = max_prefill_tokens - mixed_with_decode_tokens
         self.rem_chunk_tokens = None if chunked_prefill_size is None else chunked_prefill_size - mixed_with_decode_tokens
+        # (A finished request not yet out of the running batch holds nothing back.)
         self.rem_total_token_offset = mixed_with_decode_tokens + sum(
-            min(r.sampling_params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) * new_token_ratio
-            for r in running_batch.reqs
+            self.reserved(r) for r in running_batch.reqs if not r.finished()
         )
         self.running_bs = running_batch.batch_size()
         self.can_run_list: list[Req] = []
@@ -151,6 +152,41 @@ class PrefillAdder:
 
     def _ceil_page(self, n: int) -> int:
         return -(-n // self.page_size) * self.page_size
+
+    def reserved(self, running: Req) -> float:
+        """The decode tokens a running request's admission still holds back."""
+        return min(running.sampling_params.max_new_tokens - len(running.output_ids), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+
+    def drop_running(self, running: Req) -> None:
+        """`running` left the running batch (preempted): what it held back is free again."""
+        self.rem_total_token_offset -= self.reserved(running)
+        self.running_bs -= 1
+
+    def _need(self, req: Req, alone: bool | None) -> tuple[int, int]:
+        """(KV tokens admitting `req` needs, its max_new_tokens as reserved)."""
+        max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+        # A request alone in the system only needs room for its prompt: admission
+        # checks guarantee prompt + max_new_tokens fits the pool, so it can finish.
+        if alone is None:
+            alone = self.running_bs == 0 and not self.can_run_list
+        return (self._ceil_page(req.extend_input_len) if alone else req.extend_input_len + max_new), max_new
+
+    def budget_allows(self, req: Req) -> bool:
+        """Whether the prefill token and chunk budgets leave `req` (or a chunk of it) room:
+        add_req refuses it otherwise (OTHER), whatever the KV."""
+        input_tokens = self._ceil_page(req.extend_input_len)
+        if input_tokens > self.rem_input_tokens and self.can_run_list:
+            return False
+        chunk = self.rem_chunk_tokens
+        return chunk is None or input_tokens <= chunk or chunk // self.page_size * self.page_size > 0
+
+    def deficit(self, req: Req, alone: bool | None = None) -> float:
+        """KV tokens add_req lacks to admit `req`: it refuses it (NO_TOKEN) unless < 0.
+        `alone`: as if nothing else ran (None: as things are)."""
+        self.tree_cache.inc_lock_ref(req.last_node)  # as add_req counts: its prefix is not evictable
+        lack = self._need(req, alone)[0] - self.rem_total_tokens
+        self.tree_cache.dec_lock_ref(req.last_node)
+        return lack
 
     def _prefill_one_req(self, prefix_len: int, extend_len: int, max_new_tokens: int) -> None:
         self.rem_total_token_offset += extend_len + max_new_tokens
@@ -173,16 +209,11 @@ class PrefillAdder:
         return req if truncated else None
 
     def add_req(self, req: Req) -> AddReqResult:
-        max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
-        total_tokens = req.extend_input_len + max_new
+        need, max_new = self._need(req, None)
         input_tokens = self._ceil_page(req.extend_input_len)
         prefix_len = len(req.prefix_indices)
 
         self.tree_cache.inc_lock_ref(req.last_node)  # its prefix is no longer evictable
-        # A request alone in the system only needs room for its prompt: admission
-        # checks guarantee prompt + max_new_tokens fits the pool, so it can finish.
-        alone = self.running_bs == 0 and not self.can_run_list
-        need = input_tokens if alone else total_tokens
         if need >= self.rem_total_tokens:
             self.tree_cache.dec_lock_ref(req.last_node)
             return AddReqResult.NO_TOKEN

@@ -101,6 +101,7 @@ class SchedulerStats:
             "cache_hit_rate": c["cached_tokens_total"] / max(c["prompt_tokens_total"], 1),
             "gen_throughput": self.gen_throughput,
             "num_retracted_reqs_total": c["num_retracted_reqs_total"],
+            "num_preempted_reqs_total": c["num_preempted_reqs_total"],  # retracted for a higher priority
             "num_requests_total": c["num_requests_total"],
             "prompt_tokens_total": c["prompt_tokens_total"],
             "generation_tokens_total": c["generation_tokens_total"],

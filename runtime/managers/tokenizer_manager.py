@@ -13,7 +13,7 @@ from runtime.errors import InvalidRequest
 from runtime.managers.embedding_manager import EMBEDDING, EmbeddingParams, EmbeddingReq
 from runtime.managers.io_struct import BootstrapInfo
 from runtime.managers.req import Req
-from runtime.sampling_params import DEFAULT_MAX_NEW_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
+from runtime.sampling_params import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRIORITY, MAX_TOP_LOGPROBS, SamplingParams, check_priority
 
 SamplingInput = SamplingParams | dict[str, Any] | None  # a dict uses SamplingParams' field names
 
@@ -29,6 +29,7 @@ class RequestLimits:
     disaggregation_mode: str = "null"  # "prefill" | "decode": no prompt logprobs, no prefill-only requests
     needs_bootstrap: bool = False  # requests must say where their KV goes or comes from
     grammars: bool = True  # a grammar backend compiles json_schema / regex / ebnf
+    refuses_priority: bool = False  # --abort-on-priority-when-disabled on a server not scheduling by priority
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +86,7 @@ def make_embedding_req(ids: list[int], params: SamplingInput, rid: str, limits: 
 
 def make_req(
     ids: list[int], params: SamplingInput, rid: str, logprobs: LogprobOptions, limits: RequestLimits,
-    bootstrap: BootstrapInfo | None = None,
+    bootstrap: BootstrapInfo | None = None, priority: int | None = None,
 ) -> Req:
     if bootstrap is None and limits.needs_bootstrap:
         raise InvalidRequest(
@@ -116,9 +117,13 @@ def make_req(
     top = logprobs.top_logprobs_num
     if not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
         raise InvalidRequest(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+    if priority is not None and limits.refuses_priority:
+        raise InvalidRequest("this server does not schedule by priority (--abort-on-priority-when-disabled): "
+                             "send the request without one", param="priority")
+    prio = DEFAULT_PRIORITY if priority is None else check_priority(priority)
     want = logprobs.return_logprob or top > 0
     start = logprob_start_len(logprobs.logprob_start_len if want else -1, n, sp.max_new_tokens, limits)
-    req = Req(rid, ids, sp, limits.eos_token_ids, want, top, logprob_start_len=start)
+    req = Req(rid, ids, sp, limits.eos_token_ids, want, top, prio, logprob_start_len=start)
     req.bootstrap = bootstrap
     if sp.seed is not None and not sp.is_greedy:
         req.generator = torch.Generator(device=limits.device).manual_seed(sp.seed)

@@ -18,6 +18,7 @@ The events and their fields:
   prefilled        the admission's last chunk has been computed
   first_token
   retracted        output_tokens, kv_slots (its KV went to the radix cache; it waits again)
+  preempted        as retracted, to make room for a higher-priority request: by (its rid), priority
   abort_requested  why ("abort_request", "client_disconnected", "stream_closed", "cancelled",
                    "consumer_gone")
   kv_received      (decode server) the prompt's KV arrived from the prefill server
@@ -49,7 +50,7 @@ Record = tuple[str, float, Fields | None]  # (event, time.monotonic(), fields)
 MONO_TO_UNIX = time.time() - time.monotonic()  # read once: wall = monotonic + MONO_TO_UNIX
 
 # Records that mark an instant of the request as a whole (OTLP: events of the request span).
-INSTANTS = frozenset({"first_token", "retracted", "abort_requested", "kv_received", "finished"})
+INSTANTS = frozenset({"first_token", "retracted", "preempted", "abort_requested", "kv_received", "finished"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +125,11 @@ class RequestTrace:
         self.retractions += 1
         self.output_tokens = output_tokens
         self.add("retracted", {"output_tokens": output_tokens, "kv_slots": kv_slots})
+
+    def preempted(self, output_tokens: int, kv_slots: int, by: str, priority: int) -> None:
+        self.retractions += 1
+        self.output_tokens = output_tokens
+        self.add("preempted", {"output_tokens": output_tokens, "kv_slots": kv_slots, "by": by, "priority": priority})
 
     def abort_requested(self, why: str) -> None:
         self.add("abort_requested", {"why": why})
@@ -229,8 +235,10 @@ def phases(records: Sequence[Record]) -> tuple[list[Span], list[Record]]:
                 continue
         elif name == "prefilled" or (name == "first_token" and (current is None or current.name != "decode")):
             opened = Span("decode", t)
-        elif name == "retracted":
+        elif name in ("retracted", "preempted"):
             opened = Span("queue", t, attributes={"queue": "waiting", "retracted": True})
+            if name == "preempted":
+                opened.attributes["preempted_by"] = f.get("by")
         elif name == "kv_sent" and finished_at is not None:
             spans.append(Span("kv_transfer", finished_at, t, {"ok": f.get("ok"), "error": f.get("error")}))
             continue
