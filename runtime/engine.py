@@ -10,32 +10,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-import time
-import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any
 
 from config.settings import EngineSettings
 from runtime import disaggregation, engine_setup
-from runtime.engine_encode import EncodeAPI, Prompt
+from runtime.engine_encode import EncodeAPI
+from runtime.engine_requests import RequestAPI
 from runtime.engine_setup import EngineStack
-from runtime.errors import InvalidRequest
 from runtime.managers import trace_view
-from runtime.managers.io_struct import FAKE_BOOTSTRAP_HOST, BootstrapInfo, GenerateOutput, TraceJSON, TraceSummaryJSON
-from runtime.managers.req import Req
+from runtime.managers.io_struct import TraceJSON, TraceSummaryJSON
 from runtime.constrained import GrammarBackend
 from runtime.managers.grammar_manager import GrammarManager
 from runtime.managers.scheduler import Scheduler
 from runtime.managers.scheduler_loop import SchedulerLoop
 from runtime.managers.embedding_manager import output_processor
-from runtime.managers.tokenizer_manager import LogprobOptions, RequestLimits, SamplingInput, make_req
-from runtime.managers.trace import TraceOptions
-
-Delivery = GenerateOutput | InvalidRequest  # what a request's queue carries to its caller
 
 
-class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
+class Engine(RequestAPI, EncodeAPI):
+    # generate*, abort: runtime/engine_requests.py; encode/async_encode: runtime/engine_encode.py
     def __init__(self, settings: EngineSettings | None = None, *, stack: EngineStack | None = None, **overrides: Any) -> None:
         """Load the model for `settings` (with `overrides` applied), or run on a prebuilt
         `stack` (tests and benchmarks pass one around a stub worker)."""
@@ -149,175 +143,6 @@ class Engine(EncodeAPI):  # encode/async_encode: runtime/engine_encode.py
     async def _await_task(self) -> None:
         if self._task is not None:
             await self._task
-
-    # ---- requests ---------------------------------------------------------------------
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))  # with the model's BOS, as HF/vLLM/SGLang do
-        return list(prompt)
-
-    def _limits(self) -> RequestLimits:
-        s, config = self.settings, self.model_config
-        return RequestLimits(config.context_len, config.vocab_size, self.pools.max_total_num_tokens - s.page_size,
-                             config.eos_token_ids, self.worker.device, s.is_embedding, s.disaggregation_mode,
-                             disaggregation.needs_bootstrap(s), self.scheduler.grammars is not None,
-                             refuses_priority=s.abort_on_priority_when_disabled and s.schedule_policy != "priority")
-
-    async def _submit(
-        self, prompt: Prompt, params: SamplingInput, rid: str | None, stream: bool, logprobs: LogprobOptions,
-        bootstrap: BootstrapInfo | None = None, trace: TraceOptions | None = None, priority: int | None = None,
-    ) -> tuple[Req, asyncio.Queue[Delivery]]:
-        arrival = time.monotonic()
-        caller = asyncio.get_running_loop()
-        engine_loop = self._ensure_started()
-        if isinstance(prompt, str):
-            ids = await caller.run_in_executor(self._tokenize_pool, self._tokenize, prompt)
-        elif isinstance(prompt, list):
-            ids = list(prompt)
-        else:
-            raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
-        req = make_req(ids, params, rid or uuid.uuid4().hex, logprobs, self._limits(), bootstrap, priority)
-        req.trace.received(arrival, trace)
-        queue: asyncio.Queue[Delivery] = asyncio.Queue()
-        deliver: Callable[[Delivery], None]
-        if caller is engine_loop:
-            deliver = queue.put_nowait
-        else:
-            def deliver(item: Delivery) -> None:
-                if caller.is_closed():
-                    raise ConnectionAbortedError("the caller's event loop is gone")
-                caller.call_soon_threadsafe(queue.put_nowait, item)
-        self._call_on_loop(self._register, req, deliver, stream)
-        return req, queue
-
-    def _register(self, req: Req, deliver: Callable[[Delivery], None], stream: bool) -> None:
-        if req.rid in self.scheduler.reqs_by_rid:
-            deliver(InvalidRequest(f"duplicate rid {req.rid}", param="rid"))
-            return
-        self.output.register(req, deliver, stream)
-        self.scheduler.add_request(req)
-
-    async def async_generate(
-        self,
-        prompt: Prompt,
-        sampling_params: SamplingInput = None,
-        rid: str | None = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        bootstrap: BootstrapInfo | None = None,
-        trace: TraceOptions | None = None,
-        logprob_start_len: int = -1,
-        priority: int | None = None,
-    ) -> GenerateOutput:
-        """The whole output of one prompt. Cancelling the awaiting task aborts the request.
-        `bootstrap`: on a prefill/decode server, where the KV goes or comes from.
-        `trace`: return_trace, the caller's trace context and arrival (runtime/managers/trace.py).
-        `logprob_start_len` >= 0 (with return_logprob): prompt logprobs too (LogprobOptions).
-        `priority`: its rank under --schedule-policy priority (None: the default, 0)."""
-        return await self._generate_one(prompt, sampling_params, rid, return_logprob, top_logprobs_num, bootstrap, trace,
-                                        logprob_start_len, priority)
-
-    async def async_generate_stream(
-        self,
-        prompt: Prompt,
-        sampling_params: SamplingInput = None,
-        rid: str | None = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        bootstrap: BootstrapInfo | None = None,
-        trace: TraceOptions | None = None,
-        logprob_start_len: int = -1,
-        priority: int | None = None,
-    ) -> AsyncGenerator[GenerateOutput, None]:
-        """The output of one prompt as delta chunks (io_struct); the last has finish_reason.
-        Closing it early (aclose, break, cancelling the task) aborts the request."""
-        logprobs = LogprobOptions(return_logprob, top_logprobs_num, logprob_start_len)
-        req, queue = await self._submit(prompt, sampling_params, rid, True, logprobs, bootstrap, trace, priority)
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, InvalidRequest):
-                    raise item
-                finished = item["meta_info"]["finish_reason"] is not None
-                yield item
-        finally:
-            if not finished:
-                self.abort(req.rid, why="stream_closed")
-
-    async def _generate_one(
-        self, prompt: Prompt, params: SamplingInput, rid: str | None, return_logprob: bool, top_k: int,
-        bootstrap: BootstrapInfo | None = None, trace: TraceOptions | None = None, logprob_start_len: int = -1,
-        priority: int | None = None,
-    ) -> GenerateOutput:
-        logprobs = LogprobOptions(return_logprob, top_k, logprob_start_len)
-        req, queue = await self._submit(prompt, params, rid, False, logprobs, bootstrap, trace, priority)
-        try:
-            item = await queue.get()
-        except asyncio.CancelledError:
-            self.abort(req.rid, why="cancelled")
-            raise
-        if isinstance(item, InvalidRequest):
-            raise item
-        return item
-
-    def generate(
-        self,
-        prompt: Prompt | list[str] | list[list[int]],
-        sampling_params: SamplingInput | list[SamplingInput] = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        return_trace: bool = False,
-        logprob_start_len: int | list[int] = -1,
-        priority: int | list[int] | None = None,
-    ) -> GenerateOutput | list[GenerateOutput]:
-        batched = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
-        prompts = cast(list[Prompt], list(prompt) if batched else [prompt])
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        starts = logprob_start_len if isinstance(logprob_start_len, list) else [logprob_start_len] * len(prompts)
-        if len(params) != len(prompts) or len(starts) != len(prompts):
-            raise InvalidRequest("sampling_params and logprob_start_len must match the number of prompts", param="sampling_params")
-        priorities = priority if isinstance(priority, list) else [priority] * len(prompts)
-        if len(priorities) != len(prompts):
-            raise InvalidRequest("priority must match the number of prompts", param="priority")
-        loop = self._ensure_started()
-
-        async def run_all() -> list[GenerateOutput]:
-            trace = TraceOptions(return_trace=True) if return_trace else None
-            tasks = [asyncio.ensure_future(self._generate_one(p, sp, None, return_logprob, top_logprobs_num, None, trace, s, pr))
-                     for p, sp, s, pr in zip(prompts, params, starts, priorities)]
-            try:
-                return list(await asyncio.gather(*tasks))
-            except BaseException:
-                # One prompt failed (e.g. invalid params): the others must not run on
-                # unseen. A cancelled _generate_one aborts its request.
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
-
-        outs = asyncio.run_coroutine_threadsafe(run_all(), loop).result()
-        return outs if batched else outs[0]
-
-    def self_check_bootstrap(self) -> BootstrapInfo | None:
-        """For the server's own requests (warm-up, /health_generate): on a prefill/decode
-        server, SGLang's fake bootstrap host, so no peer is involved."""
-        if self.settings.disaggregation_mode == "null":
-            return None
-        return BootstrapInfo(FAKE_BOOTSTRAP_HOST, 0, uuid.uuid4().int >> 64)
-
-    def abort(self, rid: str, why: str = "abort_request") -> None:
-        """Abort one request (no-op if unknown); `why` goes in its trace."""
-        self._call_on_loop(self._abort, rid, why)
-
-    def _abort(self, rid: str, why: str) -> None:
-        req = self.scheduler.reqs_by_rid.get(rid)
-        if req is not None and not req.to_abort and not req.finished():
-            req.trace.abort_requested(why)
-        self.scheduler.abort(rid)
-
-    def abort_all(self) -> None:
-        self._call_on_loop(self.scheduler.abort, None)
 
     # ---- cache and introspection ------------------------------------------------------------
     async def async_flush_cache(self) -> bool:
