@@ -37,6 +37,10 @@ class FinishReason:
         return out
 
 
+def aborted(message: str = "aborted") -> FinishReason:
+    return FinishReason("abort", message=message)
+
+
 class Req:
     """State of one request across scheduling rounds.
 

@@ -8,7 +8,6 @@ so the scheduler can go on mutating the ScheduleBatch while that forward runs
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,12 +16,13 @@ import torch
 
 from runtime.managers.prompt_logprobs import PromptLogprobRows
 from runtime.managers.req import Req
+from runtime.managers.sampling_batch import sampling_info_of, with_pending_resets
 from runtime.mem.allocator import TokenToKVPoolAllocator
 from runtime.mem.prefix_cache import PrefixCache
 from runtime.mem.req_to_token_pool import ReqToTokenPool
 from runtime.model_executor.forward_batch import ForwardMode
 from runtime.model_executor.future_map import FutureMap
-from runtime.model_executor.sampling_info import PenaltyReset, SamplingBatchInfo
+from runtime.model_executor.sampling_info import SamplingBatchInfo
 from runtime.model_executor.worker import ModelWorkerBatch
 
 
@@ -229,12 +229,7 @@ class ScheduleBatch:
         assert self.input_ids is not None and self.out_cache_loc is not None
         sampling = self._sampling_info()
         if any(r.penalty_reset_pending for r in self.reqs):  # one step only: not in the cached info
-            penalized = {id(self.reqs[i]) for i in sampling.penalized}
-            fresh = [r for r in self.reqs if r.penalty_reset_pending and id(r) in penalized]
-            for r in self.reqs:
-                r.penalty_reset_pending = False
-            resets = [PenaltyReset(r.row, r.origin_input_ids, list(r.output_ids)) for r in fresh]
-            sampling = dataclasses.replace(sampling, resets=sampling.resets + resets)
+            sampling = with_pending_resets(self.reqs, sampling)
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
             input_ids=self.input_ids,
@@ -277,41 +272,3 @@ class ScheduleBatch:
             epochs=list(self.epochs),
             prompt_lp=self.prompt_lp,
         )
-
-
-def sampling_info_of(
-    reqs: list[Req], mode: ForwardMode, prefix_slots: list[torch.Tensor | None], intermediate: Req | None = None
-) -> SamplingBatchInfo:
-    sps = [r.sampling_params for r in reqs]
-    temps = [0.0 if sp.is_greedy else sp.temperature for sp in sps]
-    penalized, rows, resets, stop_ids = [], [], [], []
-    for i, (r, sp) in enumerate(zip(reqs, sps)):
-        if (sp.has_penalty or sp.min_new_tokens > 0) and r is not intermediate:
-            penalized.append(i)
-            rows.append(r.row)
-            stop_ids.append(sorted(r.stop_token_ids))
-            if mode.is_extend() and prefix_slots[i] is not None:
-                resets.append(PenaltyReset(r.row, r.origin_input_ids, list(r.output_ids)))
-    psp = [sps[i] for i in penalized]
-    return SamplingBatchInfo(
-        temperatures=torch.tensor(temps, dtype=torch.float32),
-        top_ps=torch.tensor([sp.top_p for sp in sps], dtype=torch.float32),
-        top_ks=torch.tensor([sp.top_k for sp in sps], dtype=torch.int64),
-        min_ps=torch.tensor([sp.min_p for sp in sps], dtype=torch.float32),
-        is_all_greedy=all(t == 0.0 for t in temps),
-        need_top_p=any(sp.top_p < 1.0 for sp in sps),
-        need_top_k=any(sp.top_k > 1 for sp in sps),
-        need_min_p=any(sp.min_p > 0.0 for sp in sps),
-        generators=[r.generator for r in reqs],
-        penalized=penalized,
-        penalized_rows=rows,
-        frequency=torch.tensor([sp.frequency_penalty for sp in psp], dtype=torch.float32),
-        presence=torch.tensor([sp.presence_penalty for sp in psp], dtype=torch.float32),
-        repetition=torch.tensor([sp.repetition_penalty for sp in psp], dtype=torch.float32),
-        min_new_tokens=torch.tensor([sp.min_new_tokens for sp in psp], dtype=torch.int64),
-        stop_ids=stop_ids,
-        resets=resets,
-        # A chunk that does not end its prompt samples nothing real: no constraint there.
-        grammars=[r.grammar if r is not intermediate else None for r in reqs] if any(r.grammar for r in reqs) else None,
-        logit_bias=[(i, list(sp.logit_bias), list(sp.logit_bias.values())) for i, sp in enumerate(sps) if sp.logit_bias] or None,
-    )

@@ -2,13 +2,13 @@
 
 SchedulerLoop (scheduler_loop.py) drives it: get_next_batch_to_run() -> launch ->
 process_batch_result(), overlapped. The waiting queue and the chunked request live
-in the PrefillManager, the running batch in the DecodeManager.
+in the PrefillManager, the running batch in the DecodeManager; a forward's result
+reaches its requests through the ResultProcessor.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import structlog
@@ -19,7 +19,8 @@ from runtime.managers.embedding_manager import EmbeddingManager
 from runtime.managers.disagg_hooks import Disaggregation
 from runtime.managers.grammar_manager import GrammarManager
 from runtime.managers.prefill_manager import PrefillManager
-from runtime.managers.req import FinishReason, Req
+from runtime.managers.req import FinishReason, Req, aborted
+from runtime.managers.result_processor import ResultProcessor
 from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.managers.scheduler_output import OutputProcessor
 from runtime.managers.scheduler_stats import LoadSnapshot, SchedulerStats
@@ -30,11 +31,6 @@ from runtime.model_executor.pooler import EmbeddingResult
 from runtime.model_executor.worker import BatchResult, Worker
 
 log = structlog.get_logger("sluice.scheduler")
-
-
-
-def aborted(message: str = "aborted") -> FinishReason:
-    return FinishReason("abort", message=message)
 
 
 class Scheduler:
@@ -62,6 +58,7 @@ class Scheduler:
         self.disagg: Disaggregation | None = None  # set by the engine in prefill/decode mode
         self.grammars: GrammarManager | None = None  # set by the engine with --grammar-backend xgrammar
         self.embeddings = EmbeddingManager(settings.pooling, self.finish) if settings.is_embedding else None
+        self.results = ResultProcessor(self.allocator, self.page_size, output, self.stats, self.finish)
 
         self._wake = asyncio.Event()
         self.inflight = 0  # forwards launched but not yet processed (SchedulerLoop sets it)
@@ -283,76 +280,12 @@ class Scheduler:
     def admit_prebuilt(self, reqs: list[Req]) -> None:
         """Decode server: requests whose prompt KV and first token came from a prefill
         server emit that token, then (unless it ended them) join the running batch."""
-        joining = []
-        for req in reqs:
-            req.has_prefilled, req.first_token_time = True, time.monotonic()
-            req.trace.first_token()
-            if req.grammar is not None:
-                req.grammar.accept_later(req.output_ids[-1])  # sampled by the prefill server
-            reason = self._token_reason(req)
-            if reason is None and not self.output.emit(req):
-                reason = aborted()  # the consumer is gone
-            if reason is not None:
-                self.finish(req, reason, kv_len=len(req.origin_input_ids))
-            else:
-                joining.append(req)
+        joining = self.results.process_prebuilt(reqs)
         if joining:
             self.decode.join_prebuilt(joining)
 
-    def _token_reason(self, req: Req) -> FinishReason | None:
-        """Why `req` ends with the token it just got (stop strings included), or None."""
-        reason = req.check_finished()
-        if reason is None and (stop := self.output.matched_stop(req)) is not None:
-            reason = FinishReason("stop", stop)
-        return reason
-
-    # ---- results ------------------------------------------------------------------------------
+    # ---- results (result_processor.py) ------------------------------------------------
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
         if self.embeddings is not None and isinstance(result, EmbeddingResult):
             return self.embeddings.process(batch, result)  # an embedding server samples nothing
-        token_pos = num_tokens = 0
-        n_extend = batch.batch_size() - len(batch.decoding_reqs) if batch.forward_mode.is_extend() else 0
-        output = self.output
-        assert batch.out_cache_loc is not None
-        if batch.prompt_lp is not None:  # before any request below ends and emits
-            batch.prompt_lp.deliver(batch.reqs, batch.epochs, result)
-        for i, req in enumerate(batch.reqs):
-            token_pos += batch.extend_lens[i]
-            if req.epoch != batch.epochs[i]:  # retracted after this forward was launched
-                if req.grammar is not None:
-                    req.grammar.rollback_later()  # the worker accepted the token dropped here
-                continue
-            if i < n_extend:
-                if req.is_chunked > 0:
-                    req.is_chunked -= 1
-                    continue
-                req.has_prefilled = True
-                req.trace.prefilled()
-            if req.finished():
-                # Overlap ran one step past the finish: return that step's KV slot
-                # unless it shares the (already released) tail page.
-                if (batch.seq_lens[i] - 1) % self.page_size == 0:
-                    self.allocator.free(batch.out_cache_loc[token_pos - 1 : token_pos])
-                continue
-            reason: FinishReason | None
-            if req.to_abort:
-                reason = req.abort_reason or aborted()
-            elif req.sampling_params.max_new_tokens == 0:  # prefill only (prompt logprobs): no token kept
-                reason = req.check_finished()
-            else:  # every other forward yields one token
-                num_tokens += 1
-                req.output_ids.append(result.next_token_ids[i])
-                if req.return_logprob:
-                    req.append_logprobs(result, i)
-                reason = self._token_reason(req)
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-                if req.output_ids:  # (an abort gets no token)
-                    req.trace.first_token()
-            if reason is not None:
-                # This forward wrote KV for positions < seq_len; later ones have none.
-                self.finish(req, reason, kv_len=batch.seq_lens[i])
-            elif not output.emit(req):
-                req.to_abort = True  # the consumer is gone: end it at its next result
-                req.trace.abort_requested("consumer_gone")
-        self.stats.add("generation_tokens_total", num_tokens)
+        self.results.process_batch_result(batch, result)

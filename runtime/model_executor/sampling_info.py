@@ -1,5 +1,5 @@
 """SamplingBatchInfo: a batch's sampling parameters as tensors (built by the scheduler
-from its requests in `runtime.managers.schedule_batch`, read by the sampler)."""
+from its requests in `runtime.managers.sampling_batch`, read by the sampler)."""
 
 from __future__ import annotations
 
