@@ -71,7 +71,7 @@ def test_the_default_model_agrees_with_float32_teacher_forced(model_dir: Path, t
     windows = [ids[:128], ids[128:]]
 
     ref = teacher_forced(load_model(model_dir, config, "auto", "cpu", seed=None), config, windows)
-    model = load_model(model_dir, config, "auto", "cpu", seed=None, quantization="gguf")
+    model = load_model(model_dir, config, "auto", "cpu", seed=None, quantization="gguf", cpu_ops=ops)
     assert bind_cpu_ops(model, ops) == {"LlamaAttention": 30, "SiluAndMulMLP": 30, "RMSNorm": 61, "q8_lm_head": 1}
     top1, dlogprob = agreement(teacher_forced(model, config, windows), ref)
     print(f"default vs float32 over {len(ids)} tokens: top-1 {top1:.3f}, mean |delta logprob| {dlogprob:.4f}")
@@ -83,8 +83,10 @@ def test_an_engine_with_no_flags_serves_the_default_mode(make_engine: Any, token
     assert dataclasses.asdict(engine.settings)["quantization"] == "gguf"
     assert engine.model_config.dtype == torch.float32
     model = engine.worker.model
-    assert {linear_form(m) for m in model.modules() if isinstance(m, LinearBase)} == {"int4"}
-    if load_cpu_ops() is not None:
+    ops = load_cpu_ops()
+    packed = "q4q8" if ops is not None and ops.q4_linear_vnni() else "int4"  # q4q8: Q4 blocks x int8 activations
+    assert {linear_form(m) for m in model.modules() if isinstance(m, LinearBase)} == {packed}
+    if ops is not None:
         assert model.logits_processor.q8 is not None, "the Q8_0 LM head runs from its exact blocks"
     out = engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
     assert "Paris" in out["text"], out["text"]

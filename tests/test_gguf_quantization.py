@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from config.settings import SettingsError
+from kernels.cpu import CpuOps
 from runtime.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -63,10 +64,11 @@ def reference(weight: GgufWeight) -> torch.Tensor:
     return values if t.row_order is None else values[torch.from_numpy(t.row_order)]
 
 
-def gguf_layer(layer: LinearBase, parts: Mapping[ShardId, LazyWeight]) -> LinearBase:
-    """Load `parts` (shard id -> checkpoint tensor) into `layer` as --quantization gguf does."""
+def gguf_layer(layer: LinearBase, parts: Mapping[ShardId, LazyWeight], ops: CpuOps | None = None) -> LinearBase:
+    """Load `parts` (shard id -> checkpoint tensor) into `layer` as --quantization gguf does
+    (with `ops`: as an engine with the CPU kernels bound does)."""
     holder = torch.nn.Sequential(layer)
-    prepare_linear_layers(holder, "gguf")
+    prepare_linear_layers(holder, "gguf", ops)
     assert layer.weight.device.type == "meta"  # a placeholder: no float storage
     for shard_id, weight in parts.items():
         layer.weight_loader(layer.weight, weight, shard_id)

@@ -8,6 +8,7 @@ One extension, `sluice_cpu_ops`, from every .cpp in this directory:
   fused_ops.cpp     RMSNorm (+ residual add), RoPE in place, SiLU·mul, the KV write:
                     a decoder layer's row-wise ops in one pass each
   q8_linear.cpp     float32 x int8-block matmul (the GGUF's Q8_0 LM head)
+  q4_linear.cpp     Q4-block weights x int8-block activations on AVX512-VNNI (gguf linears)
 
 Pure torch cannot read paged KV in place (decode attention had to gather every
 request's KV), and a small model's decode step is mostly the dispatch of small
@@ -54,6 +55,10 @@ class CpuOps(Protocol):
     def store_kv(self, k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
     def q8_linear(self, x: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> torch.Tensor: ...
+
+    def q4_linear_vnni(self) -> bool: ...
+
+    def q4_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor: ...
 
 
 def _cpu_flags() -> bytes:

@@ -10,6 +10,8 @@ void rotary_(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin_cache, int
 at::Tensor silu_mul(at::Tensor gate_up);
 void store_kv(at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc, at::Tensor k, at::Tensor v);
 at::Tensor q8_linear(at::Tensor x, at::Tensor qw, at::Tensor scales);
+bool q4_linear_vnni();
+at::Tensor q4_linear(at::Tensor x, at::Tensor packed);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention, one query token at a time (CPU)");
@@ -19,5 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "RoPE on the first heads of each row, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("store_kv", &store_kv, "k_buf[loc] = k, v_buf[loc] = v (cast to the buffers' dtype)");
+  m.def("q4_linear_vnni", &q4_linear_vnni, "q4_linear runs on AVX512-VNNI (else a scalar loop)");
+  m.def("q4_linear", &q4_linear, "x @ W.T with W in Q4 blocks, x in int8 blocks of 32");
   m.def("q8_linear", &q8_linear, "x @ W.T with W in int8 blocks of 32");
 }

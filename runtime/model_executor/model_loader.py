@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -44,6 +45,9 @@ from runtime.model_executor.weight_utils import (
 )
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.registry import get_model_class
+
+if TYPE_CHECKING:
+    from kernels.cpu import CpuOps
 
 log = structlog.get_logger(__name__)
 
@@ -265,6 +269,7 @@ def load_model(
     seed: int | None,
     quantization: QuantizationName = "none",
     gguf_path: Path | None = None,
+    cpu_ops: CpuOps | None = None,
 ) -> LlamaForCausalLM:
     """Build `config.architecture` on `device` in `config.dtype` (no float32 detour),
     holding this tensor-parallel rank's shard (call after `init_tensor_parallel`), and
@@ -272,14 +277,15 @@ def load_model(
     Either way a rank reads or generates only its own slices. With `quantization`, the
     linear layers' float weights are then packed (runtime/layers/quantization/); with
     gguf, they are read as blocks from `gguf_path` (default: the GGUF `model_dir` was
-    converted from) and packed without a float copy."""
+    converted from) and packed without a float copy; `cpu_ops`, the kernels the model
+    will run with, decide the packed form (quantization.gguf)."""
     start = time.monotonic()
     if quantization == "gguf":
         gguf_path = check_gguf_quantization(model_dir, load_format, device, gguf_path)
     cls = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(config.dtype):
         model = cls(config)
-    prepare_linear_layers(model, quantization)
+    prepare_linear_layers(model, quantization, cpu_ops)
     weights: Iterator[tuple[str, LazyWeight]]
     if load_format == "dummy":
         weights = dummy_weights(model, seed)

@@ -80,18 +80,18 @@ def build_shard(settings: EngineSettings, rank: int, init_method: str | None) ->
     settings, quantization, dtype = resolve_quantization_and_dtype(settings, device, model_dir)
     config = ModelConfig.from_pretrained(model_dir, dtype, settings.context_length, settings.kv_cache_dtype)
     kv_heads = kv_heads_per_rank(config.num_kv_heads, tp)
-    model = load_model(model_dir, config, settings.load_format, str(dev), settings.random_seed, quantization)
+    use_kernels = device == "cpu" and not settings.disable_cpu_kernels
+    cpu_ops = load_cpu_ops() if use_kernels else None
+    model = load_model(model_dir, config, settings.load_format, str(dev), settings.random_seed, quantization, cpu_ops=cpu_ops)
     settings = _agree_min(resolve_pooling(resolve_settings(settings, device, config, kv_heads), model_dir), dev)
     assert settings.max_total_tokens and settings.max_running_requests
     kv_pool = KVPool(settings.max_total_tokens + settings.page_size, config.num_layers, kv_heads, config.head_dim, config.kv_dtype, dev)
-    use_kernels = device == "cpu" and not settings.disable_cpu_kernels
     backend = create_attention_backend(
         settings.attention_backend, device, use_cpu_kernel=use_kernels, deterministic=deterministic,
         num_qo_heads=config.num_heads // tp, num_kv_heads=kv_heads, head_dim=config.head_dim,
         page_size=settings.page_size, dtype=dtype, kv_dtype=config.kv_dtype,
     )  # fmt: skip
     rows = MemoryPools.rows_for(settings.max_running_requests)
-    cpu_ops = load_cpu_ops() if use_kernels else None
     runner = ModelRunner(
         model, kv_pool, backend, rows, config.context_len, config.vocab_size, dev, cpu_ops=cpu_ops, deterministic=deterministic
     )

@@ -19,7 +19,7 @@ The embedding and the LM head are not `LinearBase` and stay float (the LM head's
 from __future__ import annotations
 
 from collections import Counter
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from torch import nn
 
@@ -27,7 +27,11 @@ from runtime.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMet
 from runtime.layers.quantization.gguf import GgufLinearMethod, Int4PlanesLinearMethod
 from runtime.layers.quantization.int4 import Int4LinearMethod
 from runtime.layers.quantization.int8 import Int8LinearMethod
+from runtime.layers.quantization.q4q8 import Q4Q8LinearMethod
 from runtime.layers.weights import checkpoint_shapes_of, set_weight_attrs
+
+if TYPE_CHECKING:
+    from kernels.cpu import CpuOps
 
 QuantizationName = Literal["none", "int8", "int4", "gguf"]
 
@@ -46,8 +50,11 @@ def get_linear_method(name: QuantizationName) -> LinearMethod:
 
 
 def linear_form(layer: LinearBase) -> str:
-    """What a layer computes with: float, int8, int4, or int4x<P> (P int4 planes summed)."""
+    """What a layer computes with: float, int8, int4, int4x<P> (P int4 planes summed), or
+    q4q8 (Q4 blocks x int8 activations)."""
     method = layer.quant_method
+    if isinstance(method, Q4Q8LinearMethod):
+        return "q4q8"
     if isinstance(method, Int4PlanesLinearMethod):
         return f"int4x{method.planes}"
     if isinstance(method, Int4LinearMethod):
@@ -61,16 +68,17 @@ def linear_layers(model: nn.Module) -> list[LinearBase]:
     return [m for m in model.modules() if isinstance(m, LinearBase)]
 
 
-def prepare_linear_layers(model: nn.Module, name: QuantizationName) -> None:
+def prepare_linear_layers(model: nn.Module, name: QuantizationName, ops: CpuOps | None = None) -> None:
     """Before loading: for gguf, every linear layer's weight becomes a placeholder that
     its own GgufLinearMethod fills (same name, shape and weight_loader); the float
-    weight the constructor made, never written, is dropped. Other names load float
+    weight the constructor made, never written, is dropped. `ops`: the CPU kernels the
+    model will run with (Q4 layers take q4q8 where they can). Other names load float
     weights as built."""
     if name != "gguf":
         return
     for layer in linear_layers(model):
         float_weight = layer.weight
-        method = GgufLinearMethod(float_weight.dtype, float_weight.device)
+        method = GgufLinearMethod(float_weight.dtype, float_weight.device, ops)
         layer.quant_method = method
         method.create_weights(layer, layer.input_size_per_partition, layer.output_size_per_partition)
         set_weight_attrs(layer.weight, layer.weight_loader, checkpoint_shapes_of(float_weight))

@@ -6,7 +6,10 @@ checkpoint tensor's rows that reach it (q, k, v; gate, up; this rank's part) are
 as `GgufWeight`s, unread. After loading it decodes them straight into torch's int4
 layout (gguf_blocks.py) and hands the layer to the method that computes with it:
 
-    all parts Q4_0/Q4_1          -> Int4LinearMethod, group 32 (one plane)
+    all parts Q4_0/Q4_1          -> Q4Q8LinearMethod where the CPU kernels are bound and
+                                    the CPU has AVX512-VNNI (the file's blocks as they
+                                    are, int8 activations: q4q8.py), else
+                                    Int4LinearMethod, group 32 (one plane)
     any part Q8_0, rest Q4/Q8    -> Int4PlanesLinearMethod, two planes (Q4 parts' second
                                     plane is zero), exact where per-channel int8 is not
     any other part (F16, Q6_K..),
@@ -28,6 +31,7 @@ from torch import nn
 
 from runtime.layers.linear import UnquantizedLinearMethod
 from runtime.layers.quantization.gguf_blocks import BLOCK, GgufWeight, Int4Planes
+from runtime.layers.quantization.q4q8 import Q4Q8LinearMethod, pack_q4
 from runtime.layers.quantization.int4 import (
     ACT_DTYPE,
     N_MULTIPLE,
@@ -39,6 +43,7 @@ from runtime.layers.quantization.int4 import (
 from runtime.layers.weights import LazyWeight
 
 if TYPE_CHECKING:
+    from kernels.cpu import CpuOps
     from runtime.layers.linear import LinearBase
 
 
@@ -104,10 +109,12 @@ def _with_planes(planes: Int4Planes, count: int) -> Int4Planes:
 
 class GgufLinearMethod(UnquantizedLinearMethod):
     """The loader of one layer (see the module docstring). `dtype` and `device` are the
-    model's: a float fallback weight is built in them."""
+    model's: a float fallback weight is built in them. `ops`: the CPU kernels, when
+    bound (their q4_linear takes Q4 layers on a VNNI CPU)."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, dtype: torch.dtype, device: torch.device, ops: CpuOps | None = None) -> None:
         self.dtype, self.device = dtype, device
+        self.q4_ops = ops if ops is not None and ops.q4_linear_vnni() and device.type == "cpu" else None
         self.parts: list[tuple[int, LazyWeight | torch.Tensor]] = []  # (first output row, rows)
 
     def create_weights(self, layer: LinearBase, input_size_per_partition: int, output_size_per_partition: int) -> None:
@@ -143,13 +150,21 @@ class GgufLinearMethod(UnquantizedLinearMethod):
             count = max(p.q.shape[0] for p in decoded)
             decoded = [_with_planes(p, count) for p in decoded]
             planes = Int4Planes(*(torch.cat(fields, dim=1) for fields in zip(*decoded)))
-            packed, scales_and_zeros = pack_planes(planes)
             del layer.weight  # the placeholder goes: the packed tensors replace it
-            layer.packed = nn.Parameter(packed.to(self.device), requires_grad=False)
-            layer.scales_and_zeros = nn.Parameter(scales_and_zeros.to(self.device), requires_grad=False)
+            if count == 1 and self.q4_ops is not None:
+                # Q4_1: zero = m + 8d was summed in float32 from fp16 d and m; undoing it
+                # gives m back exactly (the loader test compares with gguf's values bit for bit).
+                scale, zero = planes.scale[0], planes.zero[0]
+                records = pack_q4(planes.q[0], scale.half(), (zero - 8 * scale).half())
+                layer.q4_weight = nn.Parameter(records.to(self.device), requires_grad=False)
+                method = Q4Q8LinearMethod(self.q4_ops)
+            else:
+                packed, scales_and_zeros = pack_planes(planes)
+                layer.packed = nn.Parameter(packed.to(self.device), requires_grad=False)
+                layer.scales_and_zeros = nn.Parameter(scales_and_zeros.to(self.device), requires_grad=False)
+                method = Int4LinearMethod(BLOCK) if count == 1 else Int4PlanesLinearMethod(count)
             if native_bf16_matmul(self.device):  # prefill and big batches: see int4.dense_matmul
                 layer.register_buffer("dense_weight", dense_bf16(planes).to(self.device), persistent=False)
-            method = Int4LinearMethod(BLOCK) if count == 1 else Int4PlanesLinearMethod(count)
         else:
             weight = torch.empty(n, k, dtype=self.dtype, device=self.device)
             for offset, w in parts:

@@ -106,13 +106,15 @@ def dequantize_int4_values(
 DENSE_MIN_ROWS = 24
 
 
-def dense_matmul(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+def dense_matmul(
+    layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None, min_rows: int = DENSE_MIN_ROWS
+) -> torch.Tensor | None:
     """`x @ W.T (+ bias)` through the layer's bfloat16 copy of its int4 weight
     (`dense_weight`, kept by gguf where bf16 matmuls are native) when the batch has
-    DENSE_MIN_ROWS rows or more; None: use the int4 kernel. Never under deterministic
+    `min_rows` rows or more; None: use the packed kernel. Never under deterministic
     inference: a row's kernel must not depend on how many rows share the call."""
     dense = cast(torch.Tensor | None, getattr(layer, "dense_weight", None))
-    if dense is None or layer.batch_invariant or x.numel() < DENSE_MIN_ROWS * x.shape[-1]:
+    if dense is None or layer.batch_invariant or x.numel() < min_rows * x.shape[-1]:
         return None
     out = torch.nn.functional.linear(x.to(dense.dtype), dense).to(x.dtype)
     return out if bias is None else out + bias

@@ -1,0 +1,191 @@
+// y = x @ W.T with W in 4-bit blocks (llama.cpp's Q4_0/Q4_1: per row, per 32 input
+// columns, w = d * q + m with q in [0, 15]) and x quantized on the fly, per row and the
+// same 32 columns, to two int8 planes: with s = max|x| / 127, t = x / s,
+//
+//   a = round(t),  b = round(256 * (t - a))   (both int8),   x ~= u * (256 a + b),  u = s / 256
+//
+// (a 16-bit fixed point; a single int8 plane, llama.cpp's Q8_1, lost 2.3 points of top-1
+// agreement with float32 on SmolLM2, bench/RESULTS.md item 17). Then
+//
+//   y[r, n] = sum over groups g of  d[n, g] * u[r, g] * c  +  m[n, g] * u[r, g] * (256 sum a + sum b)
+//   with c = 256 (q . a) + (q . b)
+//
+// where each dot product is exact in int32: one AVX512-VNNI `vpdpbusd` multiplies 64
+// unsigned codes by 64 signed int8 values and adds each 4 products into one of 16 int32
+// lanes. c < 2^24, so it converts to float exactly. Two planes cost twice the integer
+// work, which a memory-bound step at a few rows does not notice.
+//
+// Packed layout (runtime/layers/quantization/q4q8.py `pack_q4`, once at load): 16 output rows per block, so one vector lane is
+// one output row and no horizontal sum is ever needed. Block b, group g is a record of
+// 320 bytes, read front to back:
+//   [64c, 64c + 64), c = 0..3   codes of columns 8c .. 8c + 7 of the group: byte 4j + t holds
+//                               q[j, 8c + t] (low nibble) and q[j, 8c + 4 + t] (high nibble),
+//                               so masking gives lane j its 4 codes for one vpdpbusd each
+//   [256, 288)                  d of the 16 rows, fp16 (GGUF stores fp16: exact)
+//   [288, 320)                  m of the 16 rows, fp16
+// i.e. llama.cpp's 20 bytes per 32 weights, in one forward stream per block.
+//
+// Batch invariance by construction: a row's quantization, integer dot products and float
+// accumulation (one fma for the d term, one for the m term, group by group in order) are
+// the same whatever M, the row's position in the tile, or the thread count.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define Q4_VNNI 1
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kGroup = 32;
+constexpr int64_t kRecord = 320;  // bytes per (block, group): 256 of codes, 32 of d, 32 of m
+
+struct QuantRows {  // x as two int8 planes a, b [M, K]; u and u * (256 sum a + sum b) [M, K / 32]
+  std::vector<int8_t> a, b;
+  std::vector<float> u, usum;
+};
+
+QuantRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t G = K / kGroup;
+  QuantRows q{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K), std::vector<float>(M * G),
+              std::vector<float>(M * G)};
+  at::parallel_for(0, M * G, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t at = (i / G) * K + (i % G) * kGroup;
+      const float* v = x + at;
+      float amax = 0.f;
+      for (int64_t t = 0; t < kGroup; ++t) amax = std::max(amax, std::fabs(v[t]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t t = 0; t < kGroup; ++t) {
+        const float scaled = v[t] * inv;
+        const float hi = std::nearbyint(scaled);  // round half to even
+        // scaled - hi is exact and in [-1/2, 1/2]: b in [-128, 128], 128 clamped
+        const float lo = std::min(std::nearbyint(256.f * (scaled - hi)), 127.f);
+        q.a[at + t] = static_cast<int8_t>(hi);
+        q.b[at + t] = static_cast<int8_t>(lo);
+        sum += 256 * static_cast<int32_t>(hi) + static_cast<int32_t>(lo);
+      }
+      q.u[i] = amax / 127.f / 256.f;
+      q.usum[i] = q.u[i] * static_cast<float>(sum);
+    }
+  });
+  return q;
+}
+
+#if defined(Q4_VNNI)
+// R rows of x against one block of 16 output rows.
+template <int R>
+inline void q4_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_t* rec, float* y, int64_t N) {
+  const int64_t G = K / kGroup;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g, rec += kRecord) {
+    __m512i dot_a[R], dot_b[R];
+    for (int r = 0; r < R; ++r) dot_a[r] = dot_b[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i raw = _mm512_loadu_si512(rec + 64 * c);
+      const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (row0 + r) * K + g * kGroup + 8 * c;
+        int32_t a0, a1, b0, b1;  // 4 activations each: one broadcast per vpdpbusd
+        std::memcpy(&a0, q.a.data() + at, 4);
+        std::memcpy(&a1, q.a.data() + at + 4, 4);
+        std::memcpy(&b0, q.b.data() + at, 4);
+        std::memcpy(&b1, q.b.data() + at + 4, 4);
+        dot_a[r] = _mm512_dpbusd_epi32(dot_a[r], lo, _mm512_set1_epi32(a0));
+        dot_b[r] = _mm512_dpbusd_epi32(dot_b[r], lo, _mm512_set1_epi32(b0));
+        dot_a[r] = _mm512_dpbusd_epi32(dot_a[r], hi, _mm512_set1_epi32(a1));
+        dot_b[r] = _mm512_dpbusd_epi32(dot_b[r], hi, _mm512_set1_epi32(b1));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (row0 + r) * G + g;
+      const __m512i c = _mm512_add_epi32(_mm512_slli_epi32(dot_a[r], 8), dot_b[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(d, _mm512_set1_ps(q.u[i])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(q.usum[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (row0 + r) * N, acc[r]);
+}
+#else
+// The same arithmetic lane by lane (a build without AVX512-VNNI; callers prefer torch's
+// int4 kernel there, see q4_linear_vnni).
+template <int R>
+inline void q4_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_t* rec, float* y, int64_t N) {
+  const int64_t G = K / kGroup;
+  float acc[R][kLanes] = {};
+  for (int64_t g = 0; g < G; ++g, rec += kRecord) {
+    const at::Half* d = reinterpret_cast<const at::Half*>(rec + 256);
+    const at::Half* m = reinterpret_cast<const at::Half*>(rec + 288);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = q.a.data() + (row0 + r) * K + g * kGroup;
+      const int8_t* b = q.b.data() + (row0 + r) * K + g * kGroup;
+      const int64_t i = (row0 + r) * G + g;
+      for (int64_t j = 0; j < kLanes; ++j) {
+        int32_t dot_a = 0, dot_b = 0;
+        for (int c = 0; c < 4; ++c)
+          for (int t = 0; t < 4; ++t) {
+            const int32_t q0 = rec[64 * c + 4 * j + t] & 0x0F, q1 = rec[64 * c + 4 * j + t] >> 4;
+            dot_a += q0 * a[8 * c + t] + q1 * a[8 * c + 4 + t];
+            dot_b += q0 * b[8 * c + t] + q1 * b[8 * c + 4 + t];
+          }
+        const float c = static_cast<float>(256 * dot_a + dot_b);
+        acc[r][j] = std::fma(c, static_cast<float>(d[j]) * q.u[i], acc[r][j]);
+        acc[r][j] = std::fma(static_cast<float>(m[j]), q.usum[i], acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < kLanes; ++j) y[(row0 + r) * N + j] = acc[r][j];
+}
+#endif
+
+}  // namespace
+
+bool q4_linear_vnni() {
+#if defined(Q4_VNNI)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor q4_linear(at::Tensor x, at::Tensor packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: float32 [M, K]");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == kRecord &&
+                  packed.is_contiguous(),
+              "packed: uint8 [N / 16, K / 32, 320] (pack_q4)");
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), N = blocks * kLanes;
+  TORCH_CHECK(packed.size(1) * kGroup == K, "packed's K must be x's");
+  x = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  const QuantRows q = quantize_rows(x.data_ptr<float>(), M, K);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t R = 4;
+  // Each thread takes whole 16-row blocks; within one, row tiles re-read its records
+  // from L1/L2 (K = 1536: 15 KB).
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* rec = pp + b * (K / kGroup) * kRecord;
+      float* yb = yp + b * kLanes;
+      int64_t r = 0;
+      for (; r + R <= M; r += R) q4_tile<R>(q, r, K, rec, yb, N);
+      switch (M - r) {
+        case 3: q4_tile<3>(q, r, K, rec, yb, N); break;
+        case 2: q4_tile<2>(q, r, K, rec, yb, N); break;
+        case 1: q4_tile<1>(q, r, K, rec, yb, N); break;
+        default: break;
+      }
+    }
+  });
+  return y;
+}

@@ -1,0 +1,96 @@
+"""Q4 blocks x int8 activations: a GGUF's Q4_0/Q4_1 linear layers on AVX512-VNNI.
+
+llama.cpp's way, in sluice's kernel (kernels/cpu/q4_linear.cpp): the weight stays the
+file's blocks (per row and 32 input columns, `w = d * q + m`, q in [0, 15], d and m
+fp16, so the packed form is exact), and each activation row is quantized on the fly
+to int8 blocks of the same 32 columns (`x ~= s * a`, s = max|x| / 127 per block). A
+block's product is then an exact integer dot product (`vpdpbusd`: 64 multiply-adds
+an instruction) scaled once: `d * s * (q . a) + m * s * sum(a)`. The only loss is the
+activation's rounding to int8 (bench/RESULTS.md item 17 measures the model's
+agreement with float32).
+
+At a few rows the step reads 4.5 bits a weight (memory-bound where torch's int4
+kernel is compute-bound); at 16 rows the kernel runs at the VNNI units' rate. For
+big batches (prefill) a layer also keeps a bfloat16 copy, as the int4 path does
+(int4.dense_matmul), from DENSE_MIN_ROWS rows on.
+
+A row's result never depends on the other rows of the call (per-row quantization and
+accumulation order), so the method is batch-invariant as is.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, cast
+
+import torch
+
+from runtime.layers.linear import UnquantizedLinearMethod
+from runtime.layers.quantization.int4 import dense_matmul
+
+if TYPE_CHECKING:
+    from kernels.cpu import CpuOps
+    from runtime.layers.linear import LinearBase
+
+GROUP = 32  # input columns per block (llama.cpp's QK4_0 / QK4_1)
+LANES = 16  # output rows per packed block: one AVX-512 vector of outputs
+RECORD = 320  # bytes per (16 rows, 32 columns): 256 of nibbles, 32 of d, 32 of m
+# The bfloat16 copy (AMX / AVX512-BF16) beats the kernel from this many rows on: SmolLM2's
+# 120 linears streamed from memory, 2 threads, took 15.3 / 26.6 / 49.2 ms at 16 / 32 / 64
+# rows vs the copy's 19.9 / 21.6 / 26.3 (bench/RESULTS.md item 17).
+DENSE_MIN_ROWS = 24
+
+
+def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Codes `q` uint8 `[N, K]` in [0, 15], `d` and `m` float16 `[N, K / 32]` -> the
+    kernel's records uint8 `[N / 16, K / 32, 320]` (layout: kernels/cpu/q4_linear.cpp:
+    in record chunk c, byte 4j + t = q[j, 8c + t] | q[j, 8c + 4 + t] << 4)."""
+    n, k = q.shape
+    if n % LANES or k % GROUP or d.dtype != torch.float16 or m.dtype != torch.float16:
+        raise ValueError(f"q4 packing needs N % {LANES} == 0, K % {GROUP} == 0 and fp16 d, m; got {n} x {k}")
+    g = k // GROUP
+    # [block, row j, group, chunk c, half h, t] -> [block, group, c, j, t, h]
+    codes = q.view(n // LANES, LANES, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    nibbles = (codes[..., 0] | (codes[..., 1] << 4)).reshape(n // LANES, g, 256)
+
+    def lanes(v: torch.Tensor) -> torch.Tensor:  # fp16 [N, G] -> bytes [N / 16, G, 32]
+        return v.view(n // LANES, LANES, g).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat([nibbles, lanes(d), lanes(m)], dim=-1).contiguous()
+
+
+def unpack_q4(records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_q4`: (q uint8 `[N, K]`, d, m float16 `[N, K / 32]`)."""
+    blocks, g, _ = records.shape
+    n, k = blocks * LANES, g * GROUP
+    nibbles = records[..., :256].reshape(blocks, g, 4, LANES, 4)
+    codes = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-1)  # [block, g, c, j, t, h]
+    q = codes.permute(0, 3, 1, 2, 5, 4).reshape(n, k)
+
+    def rows(b: torch.Tensor) -> torch.Tensor:  # bytes [N / 16, G, 32] -> fp16 [N, G]
+        return b.contiguous().view(torch.float16).transpose(1, 2).reshape(n, g)
+
+    return q.contiguous(), rows(records[..., 256:288]), rows(records[..., 288:320])
+
+
+class Q4Q8LinearMethod(UnquantizedLinearMethod):
+    """Computes with `layer.q4_weight` (pack_q4's records) through `ops.q4_linear`."""
+
+    row_invariant: ClassVar[bool] = True
+
+    def __init__(self, ops: CpuOps) -> None:
+        self.ops = ops
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        dense = dense_matmul(layer, x, bias, DENSE_MIN_ROWS)
+        if dense is not None:
+            return dense
+        out = self.ops.q4_linear(x.reshape(-1, x.shape[-1]).float(), cast(torch.Tensor, layer.q4_weight)).to(x.dtype)
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        return out if bias is None else out + bias
+
+    def dequantize(self, layer: LinearBase) -> torch.Tensor:
+        """The float32 weight `[out, in]` the layer computes with (`d * q + m`, exact)."""
+        q, d, m = unpack_q4(cast(torch.Tensor, layer.q4_weight))
+        n, k = q.shape
+        w = q.float().view(n, k // GROUP, GROUP) * d.float()[..., None] + m.float()[..., None]
+        return w.view(n, k)
