@@ -9,6 +9,8 @@ One extension, `sluice_cpu_ops`, from every .cpp in this directory:
                     a decoder layer's row-wise ops in one pass each
   q8_linear.cpp     float32 x int8-block matmul (the GGUF's Q8_0 LM head)
   q4_linear.cpp     Q4-block weights x int8-block activations on AVX512-VNNI (gguf linears)
+  spin_pool.h       the kernels' threads: they spin between the calls of a step, where
+                    OpenMP's, with two teams in the process, sleep and must be woken
 
 Pure torch cannot read paged KV in place (decode attention had to gather every
 request's KV), and a small model's decode step is mostly the dispatch of small
@@ -29,6 +31,7 @@ import torch
 
 log = structlog.get_logger("sluice.kernels")
 _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _loaded: dict[str, CpuOps | None] = {}
 
 
@@ -82,7 +85,7 @@ CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
 
 def _build_dir() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice" / "kernels"
-    sources = b"".join(p.name.encode() + p.read_bytes() for p in _SOURCES)
+    sources = b"".join(p.name.encode() + p.read_bytes() for p in [*_SOURCES, *_HEADERS])
     digest = hashlib.sha256(sources + " ".join(CFLAGS).encode() + torch.__version__.encode() + _cpu_flags()).hexdigest()[:16]
     path = base / f"cpu_ops-{digest}"
     path.mkdir(parents=True, exist_ok=True)

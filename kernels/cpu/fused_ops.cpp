@@ -16,6 +16,7 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #define CPU_CAPABILITY_AVX2
 #endif
+#include "spin_pool.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -35,7 +36,7 @@ inline float rounded(float v) { return static_cast<float>(static_cast<T>(v)); }
 template <typename T>
 void rms_norm_kernel(const T* x, int64_t x_stride, T* residual, const T* weight, T* out, int64_t rows, int64_t H,
                      float eps) {
-  at::parallel_for(0, rows, grain(H), [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(rows, grain(H), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(H);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * x_stride;
@@ -62,7 +63,7 @@ void rms_norm_kernel(const T* x, int64_t x_stride, T* residual, const T* weight,
 template <typename T>
 void rotary_kernel(T* x, int64_t stride, const int64_t* pos, const float* cache, int64_t rows, int64_t heads, int64_t D) {
   const int64_t half = D / 2;
-  at::parallel_for(0, rows, grain(heads * D), [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(rows, grain(heads * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* cos = cache + pos[t] * D;  // the cache row is [cos | sin]
       const float* sin = cos + half;
@@ -82,7 +83,7 @@ void rotary_kernel(T* x, int64_t stride, const int64_t* pos, const float* cache,
 
 template <typename T>
 void silu_mul_kernel(const T* gate_up, int64_t stride, T* out, int64_t rows, int64_t I) {
-  at::parallel_for(0, rows, grain(I), [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(rows, grain(I), [&](int64_t begin, int64_t end) {
     std::vector<float> g(I);
     for (int64_t r = begin; r < end; ++r) {
       const T* gr = gate_up + r * stride;
@@ -161,7 +162,7 @@ namespace {
 
 template <typename S, typename D>
 void store_rows(const S* src, int64_t src_stride, D* dst, const int64_t* loc, int64_t rows, int64_t width) {
-  at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(rows, grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const S* s = src + r * src_stride;
       D* d = dst + loc[r] * width;

@@ -33,6 +33,7 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #define CPU_CAPABILITY_AVX2
 #endif
+#include "spin_pool.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -168,7 +169,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
       for (int64_t c = 0; c < row; ++c) dst[c * kTile + p] = kr[c];  // dst[(h * D + d) * 16 + p]
     }
   };
-  at::parallel_for(0, static_cast<int64_t>(shared_tiles.size()), 4, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(static_cast<int64_t>(shared_tiles.size()), 4, [&](int64_t begin, int64_t end) {
     std::vector<float> rf(row);
     for (int64_t t = begin; t < end; ++t) {
       const auto [req, t0, span] = shared_tiles[t];
@@ -176,7 +177,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
     }
   });
 
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(kQueries * Hq * D), kt(Hkv * D * kTile), rf(row), scores, vf;
     std::vector<float> inv_sum(kQueries * Hq);
     std::vector<const float*> vrows;

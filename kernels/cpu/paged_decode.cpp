@@ -14,6 +14,7 @@
 // The fastest decode; its sums are not the per-query order of paged_attention.cpp,
 // which deterministic inference uses for decodes too (a token decoded here and the
 // same token recomputed by an extend would differ in the last bits).
+#include "spin_pool.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -49,7 +50,7 @@ static void decode_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(Hq * D), acc(Hq * D), scores, rf(row), inv_sum(Hq);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t len = lp[i];

@@ -33,6 +33,8 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#include "spin_pool.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define Q4_VNNI 1
@@ -53,7 +55,7 @@ QuantRows quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t G = K / kGroup;
   QuantRows q{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K), std::vector<float>(M * G),
               std::vector<float>(M * G)};
-  at::parallel_for(0, M * G, 64, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(M * G, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t at = (i / G) * K + (i % G) * kGroup;
       const float* v = x + at;
@@ -173,7 +175,7 @@ at::Tensor q4_linear(at::Tensor x, at::Tensor packed) {
   constexpr int64_t R = 4;
   // Each thread takes whole 16-row blocks; within one, row tiles re-read its records
   // from L1/L2 (K = 1536: 15 KB).
-  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(blocks, 2, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* rec = pp + b * (K / kGroup) * kRecord;
       float* yb = yp + b * kLanes;

@@ -11,6 +11,7 @@
 // x[m, k] * (q[n, k] * d[n, k / 32]), one fused multiply-add per k into one float
 // accumulator. Rows are tiled R at a time only to share the weight load; a row's
 // operations are the same whatever R, M, its position or the thread count.
+#include "spin_pool.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -73,7 +74,7 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor qw, at::Tensor scales) {
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   constexpr int64_t R = 4;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(blocks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int8_t* qb = qp + b * K * kLanes;
       const float* sb = sp + b * (K / kGroup) * kLanes;
