@@ -19,6 +19,7 @@ from kernels.cpu import CpuOps, load_cpu_ops
 from runtime.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from runtime.layers.quantization import linear_form
 from runtime.layers.quantization.q4q8 import Q4Q8LinearMethod, pack_q4, unpack_q4
+from runtime.layers.quantization.q8 import pack_q8_exact, pack_q8_vnni
 from tests.test_gguf_quantization import gguf_layer, gguf_weight, reference, rel_err
 
 SHAPES = [(1, 16, 32), (3, 576, 576), (7, 960, 576), (16, 576, 1536), (37, 48, 96)]  # (M, N, K)
@@ -120,3 +121,24 @@ def test_q8_0_parts_keep_the_two_plane_int4_form(ops: CpuOps) -> None:
              "v": gguf_weight(torch.randn(32, 128), "Q4_0")}  # fmt: skip
     gguf_layer(layer, parts, ops)
     assert linear_form(layer) == "int4x2"
+
+
+def test_the_q8_lm_head_in_vnni_records_is_the_fixed_point_product_with_its_exact_blocks(ops: CpuOps) -> None:
+    """The LM head (a GGUF's Q8_0 token embedding, runtime/layers/quantization/q8.py) through
+    the same kernel: codes q + 128 with m = -128 d, so the records hold the weight exactly."""
+    torch.manual_seed(3)
+    n, k = 64, 576
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    q[:, ::32] = 127  # each block's largest |value| is 127 d: the blocks are exact Q8
+    w = (q.float().view(n, k // 32, 32) * (torch.rand(n, k // 32) * 0.01).half().float()[..., None]).view(n, k)
+    packed = pack_q8_exact(w)
+    assert packed is not None
+    records = pack_q8_vnni(packed)
+    assert records.shape == (n // 16, k // 32, 640)
+    x = torch.randn(9, k)
+    x[:, 7] *= 40
+    y = ops.q8_linear_vnni(x, records)
+    ref = fixed_point(x) @ w.double().T
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert ((y.double() - x.double() @ w.double().T).abs().max() / ref.abs().max()).item() < 3e-4
+    assert torch.equal(ops.q8_linear_vnni(x[4:5].clone(), records)[0], y[4])  # per row: batch-invariant

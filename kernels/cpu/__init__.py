@@ -63,6 +63,8 @@ class CpuOps(Protocol):
 
     def q4_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor: ...
 
+    def q8_linear_vnni(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor: ...
+
 
 def _cpu_flags() -> bytes:
     """The CPU's instruction-set flags: the kernel is built with -march=native, so a

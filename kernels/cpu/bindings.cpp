@@ -12,6 +12,7 @@ void store_kv(at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc, at::Tensor k, 
 at::Tensor q8_linear(at::Tensor x, at::Tensor qw, at::Tensor scales);
 bool q4_linear_vnni();
 at::Tensor q4_linear(at::Tensor x, at::Tensor packed);
+at::Tensor q8_linear_vnni(at::Tensor x, at::Tensor packed);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention, one query token at a time (CPU)");
@@ -23,5 +24,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "k_buf[loc] = k, v_buf[loc] = v (cast to the buffers' dtype)");
   m.def("q4_linear_vnni", &q4_linear_vnni, "q4_linear runs on AVX512-VNNI (else a scalar loop)");
   m.def("q4_linear", &q4_linear, "x @ W.T with W in Q4 blocks, x in int8 blocks of 32");
+  m.def("q8_linear_vnni", &q8_linear_vnni, "x @ W.T with W in Q8 blocks (pack_q8_vnni), x in int8 blocks of 32");
   m.def("q8_linear", &q8_linear, "x @ W.T with W in int8 blocks of 32");
 }

@@ -25,6 +25,11 @@
 //   [288, 320)                  m of the 16 rows, fp16
 // i.e. llama.cpp's 20 bytes per 32 weights, in one forward stream per block.
 //
+// Q8 blocks (the LM head, w = d * q, q in [-127, 127]; q8_linear_vnni) use the same
+// arithmetic on 8-bit codes q + 128 with m = -128 d, in records of 640 bytes: quad c's
+// 64 bytes at [64c, 64c + 64) (byte 4j + t = row j, column 4c + t), then d and m as float32.
+// There c can exceed 2^24, so its conversion to float rounds (relative 2^-24).
+//
 // Batch invariance by construction: a row's quantization, integer dot products and float
 // accumulation (one fma for the d term, one for the m term, group by group in order) are
 // the same whatever M, the row's position in the tile, or the thread count.
@@ -45,6 +50,7 @@ namespace {
 constexpr int64_t kLanes = 16;
 constexpr int64_t kGroup = 32;
 constexpr int64_t kRecord = 320;  // bytes per (block, group): 256 of codes, 32 of d, 32 of m
+constexpr int64_t kRecord8 = 640;  // Q8: 512 of codes (q + 128), 64 of d, 64 of m = -128 d (float32)
 
 struct QuantRows {  // x as two int8 planes a, b [M, K]; u and u * (256 sum a + sum b) [M, K / 32]
   std::vector<int8_t> a, b;
@@ -80,17 +86,35 @@ QuantRows quantize_rows(const float* x, int64_t M, int64_t K) {
 }
 
 #if defined(Q4_VNNI)
-// R rows of x against one block of 16 output rows.
+// Q8 (8-bit codes): one 64-byte chunk per column quad, no nibbles to split.
 template <int R>
-inline void q4_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_t* rec, float* y, int64_t N) {
+inline void q8_dots(const QuantRows& q, int64_t row0, int64_t K, int64_t g, const uint8_t* rec, __m512i* dot_a,
+                    __m512i* dot_b) {
+  for (int c = 0; c < 8; ++c) {
+    const __m512i codes = _mm512_loadu_si512(rec + 64 * c);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (row0 + r) * K + g * kGroup + 4 * c;
+      int32_t a0, b0;
+      std::memcpy(&a0, q.a.data() + at, 4);
+      std::memcpy(&b0, q.b.data() + at, 4);
+      dot_a[r] = _mm512_dpbusd_epi32(dot_a[r], codes, _mm512_set1_epi32(a0));
+      dot_b[r] = _mm512_dpbusd_epi32(dot_b[r], codes, _mm512_set1_epi32(b0));
+    }
+  }
+}
+
+// R rows of x against one block of 16 output rows.
+template <int R, bool Q8>
+inline void block_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_t* rec, float* y, int64_t N) {
   const int64_t G = K / kGroup;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g, rec += kRecord) {
+  for (int64_t g = 0; g < G; ++g, rec += Q8 ? kRecord8 : kRecord) {
     __m512i dot_a[R], dot_b[R];
     for (int r = 0; r < R; ++r) dot_a[r] = dot_b[r] = _mm512_setzero_si512();
-    for (int c = 0; c < 4; ++c) {
+    if constexpr (Q8) q8_dots<R>(q, row0, K, g, rec, dot_a, dot_b);
+    for (int c = 0; c < (Q8 ? 0 : 4); ++c) {
       const __m512i raw = _mm512_loadu_si512(rec + 64 * c);
       const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
       for (int r = 0; r < R; ++r) {
@@ -106,8 +130,10 @@ inline void q4_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_t* 
         dot_b[r] = _mm512_dpbusd_epi32(dot_b[r], hi, _mm512_set1_epi32(b1));
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
+    const __m512 d = Q8 ? _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 512))
+                        : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
+    const __m512 m = Q8 ? _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 576))
+                        : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
     for (int r = 0; r < R; ++r) {
       const int64_t i = (row0 + r) * G + g;
       const __m512i c = _mm512_add_epi32(_mm512_slli_epi32(dot_a[r], 8), dot_b[r]);
@@ -120,28 +146,41 @@ inline void q4_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_t* 
 #else
 // The same arithmetic lane by lane (a build without AVX512-VNNI; callers prefer torch's
 // int4 kernel there, see q4_linear_vnni).
-template <int R>
-inline void q4_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_t* rec, float* y, int64_t N) {
+template <int R, bool Q8>
+inline void block_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_t* rec, float* y, int64_t N) {
   const int64_t G = K / kGroup;
   float acc[R][kLanes] = {};
-  for (int64_t g = 0; g < G; ++g, rec += kRecord) {
-    const at::Half* d = reinterpret_cast<const at::Half*>(rec + 256);
-    const at::Half* m = reinterpret_cast<const at::Half*>(rec + 288);
+  for (int64_t g = 0; g < G; ++g, rec += Q8 ? kRecord8 : kRecord) {
+    float d[kLanes], m[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) {
+      if constexpr (Q8) {
+        std::memcpy(&d[j], rec + 512 + 4 * j, 4);
+        std::memcpy(&m[j], rec + 576 + 4 * j, 4);
+      } else {
+        d[j] = static_cast<float>(reinterpret_cast<const at::Half*>(rec + 256)[j]);
+        m[j] = static_cast<float>(reinterpret_cast<const at::Half*>(rec + 288)[j]);
+      }
+    }
     for (int r = 0; r < R; ++r) {
       const int8_t* a = q.a.data() + (row0 + r) * K + g * kGroup;
       const int8_t* b = q.b.data() + (row0 + r) * K + g * kGroup;
       const int64_t i = (row0 + r) * G + g;
       for (int64_t j = 0; j < kLanes; ++j) {
         int32_t dot_a = 0, dot_b = 0;
-        for (int c = 0; c < 4; ++c)
+        for (int t = 0; Q8 && t < kGroup; ++t) {
+          const int32_t code = rec[64 * (t / 4) + 4 * j + t % 4];
+          dot_a += code * a[t];
+          dot_b += code * b[t];
+        }
+        for (int c = 0; c < (Q8 ? 0 : 4); ++c)
           for (int t = 0; t < 4; ++t) {
             const int32_t q0 = rec[64 * c + 4 * j + t] & 0x0F, q1 = rec[64 * c + 4 * j + t] >> 4;
             dot_a += q0 * a[8 * c + t] + q1 * a[8 * c + 4 + t];
             dot_b += q0 * b[8 * c + t] + q1 * b[8 * c + 4 + t];
           }
         const float c = static_cast<float>(256 * dot_a + dot_b);
-        acc[r][j] = std::fma(c, static_cast<float>(d[j]) * q.u[i], acc[r][j]);
-        acc[r][j] = std::fma(static_cast<float>(m[j]), q.usum[i], acc[r][j]);
+        acc[r][j] = std::fma(c, d[j] * q.u[i], acc[r][j]);
+        acc[r][j] = std::fma(m[j], q.usum[i], acc[r][j]);
       }
     }
   }
@@ -160,11 +199,15 @@ bool q4_linear_vnni() {
 #endif
 }
 
-at::Tensor q4_linear(at::Tensor x, at::Tensor packed) {
+namespace {
+
+template <bool Q8>
+at::Tensor block_linear(at::Tensor x, at::Tensor packed) {
+  const int64_t record = Q8 ? kRecord8 : kRecord;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: float32 [M, K]");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == kRecord &&
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == record &&
                   packed.is_contiguous(),
-              "packed: uint8 [N / 16, K / 32, 320] (pack_q4)");
+              Q8 ? "packed: uint8 [N / 16, K / 32, 640] (q8.pack_q8_vnni)" : "packed: uint8 [N / 16, K / 32, 320] (pack_q4)");
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), N = blocks * kLanes;
   TORCH_CHECK(packed.size(1) * kGroup == K, "packed's K must be x's");
   x = x.contiguous();
@@ -177,17 +220,23 @@ at::Tensor q4_linear(at::Tensor x, at::Tensor packed) {
   // from L1/L2 (K = 1536: 15 KB).
   sluice::parallel_for(blocks, 2, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* rec = pp + b * (K / kGroup) * kRecord;
+      const uint8_t* rec = pp + b * (K / kGroup) * record;
       float* yb = yp + b * kLanes;
       int64_t r = 0;
-      for (; r + R <= M; r += R) q4_tile<R>(q, r, K, rec, yb, N);
+      for (; r + R <= M; r += R) block_tile<R, Q8>(q, r, K, rec, yb, N);
       switch (M - r) {
-        case 3: q4_tile<3>(q, r, K, rec, yb, N); break;
-        case 2: q4_tile<2>(q, r, K, rec, yb, N); break;
-        case 1: q4_tile<1>(q, r, K, rec, yb, N); break;
+        case 3: block_tile<3, Q8>(q, r, K, rec, yb, N); break;
+        case 2: block_tile<2, Q8>(q, r, K, rec, yb, N); break;
+        case 1: block_tile<1, Q8>(q, r, K, rec, yb, N); break;
         default: break;
       }
     }
   });
   return y;
 }
+
+}  // namespace
+
+at::Tensor q4_linear(at::Tensor x, at::Tensor packed) { return block_linear<false>(x, packed); }
+
+at::Tensor q8_linear_vnni(at::Tensor x, at::Tensor packed) { return block_linear<true>(x, packed); }

@@ -22,7 +22,8 @@ class LogitsProcessor(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         # Set by runtime.models.cpu_path: the head as exact Q8 blocks and the kernel that
-        # reads them (per-row order, so batch-invariant too); or fixed row blocks.
+        # reads them (float activations, or on AVX512-VNNI 16-bit fixed-point ones as the
+        # q4q8 linears; per-row order, so batch-invariant too); or fixed row blocks.
         self.ops: CpuOps | None = None
         self.q8: Q8Weight | None = None
         self.batch_invariant = False
@@ -31,7 +32,9 @@ class LogitsProcessor(nn.Module):
         """`[T, hidden]` -> `[T, vocab]` float32. Each rank computes its vocab shard's
         logits; the all-gather concatenates them in rank order (= vocab order), so every
         rank, rank 0's sampler included, sees the whole row. Padding columns are cut."""
-        if self.ops is not None and self.q8 is not None:
+        if self.ops is not None and self.q8 is not None and self.q8.vnni is not None:
+            local = self.ops.q8_linear_vnni(hidden.float(), self.q8.vnni)
+        elif self.ops is not None and self.q8 is not None:
             local = self.ops.q8_linear(hidden.float(), self.q8.qw, self.q8.scales)
         elif self.batch_invariant:
             local = batch_invariant_linear(hidden, lm_head.weight)

@@ -21,7 +21,7 @@ from runtime.layers.activation import SiluAndMulMLP
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import LinearBase
 from runtime.layers.logits_processor import LogitsProcessor
-from runtime.layers.quantization.q8 import pack_q8_exact
+from runtime.layers.quantization.q8 import pack_q8_exact, pack_q8_vnni
 from runtime.models.llama import LlamaAttention, LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -41,6 +41,8 @@ def bind_cpu_ops(model: nn.Module, ops: CpuOps) -> dict[str, int]:
         if processor.q8 is not None:
             processor.ops = ops
             bound["q8_lm_head"] = 1
+            if ops.q4_linear_vnni():  # the blocks x 16-bit fixed-point activations (q4q8.py's way)
+                processor.q8 = processor.q8._replace(vnni=pack_q8_vnni(processor.q8))
     return bound
 
 

@@ -25,6 +25,20 @@ LANES = 16  # output rows per packed block (one AVX-512 vector of outputs)
 class Q8Weight(NamedTuple):
     qw: torch.Tensor  # int8 [N / 16, K, 16]
     scales: torch.Tensor  # float32 [N / 16, K / 32, 16]
+    vnni: torch.Tensor | None = None  # pack_q8_vnni's records, where the CPU has AVX512-VNNI
+
+
+def pack_q8_vnni(weight: Q8Weight) -> torch.Tensor:
+    """The same blocks as `kernels/cpu/q4_linear.cpp`'s Q8 records, uint8 `[N / 16, K / 32, 640]`:
+    per 16 rows and 32 columns, the codes `q + 128` (unsigned, as vpdpbusd wants them) by
+    column quad (byte 4j + t of quad c = row j, column 4c + t), then d and m = -128 d as
+    float32, so that `d * (q + 128) + m = d * q` exactly."""
+    blocks, k, _ = weight.qw.shape
+    g = k // GROUP
+    codes = (weight.qw.to(torch.int16) + 128).to(torch.uint8)  # [block, K, j]
+    codes = codes.view(blocks, g, 8, 4, LANES).transpose(3, 4).reshape(blocks, g, 512)
+    d = weight.scales.contiguous()  # [block, G, 16]
+    return torch.cat([codes, d.view(torch.uint8), (-128 * d).view(torch.uint8)], dim=-1).contiguous()
 
 
 def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
