@@ -88,6 +88,9 @@ def test_an_engine_with_no_flags_serves_the_default_mode(make_engine: Any, token
     assert {linear_form(m) for m in model.modules() if isinstance(m, LinearBase)} == {packed}
     if ops is not None:
         assert model.logits_processor.q8 is not None, "the Q8_0 LM head runs from its exact blocks"
+        # ... and, beside q4q8 linears, with the same 16-bit fixed-point activations (an
+        # unquantized model keeps float32 ones: tests/test_prompt_logprobs.py compares with HF)
+        assert (model.logits_processor.q8.vnni is not None) == ops.q4_linear_vnni()
     out = engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
     assert "Paris" in out["text"], out["text"]
     assert_all_memory_free(engine)
