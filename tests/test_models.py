@@ -20,8 +20,8 @@ from runtime.model_executor.model_loader import (
     default_model_path,
     load_model,
     prepare_model_dir,
-    resolve_dtype,
 )
+from runtime.model_executor.resolve import resolve_dtype
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.rotary_embedding import rope_inv_freq, rope_parameters
 

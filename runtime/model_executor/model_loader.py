@@ -60,37 +60,6 @@ COMPLETE_MARKER = ".complete"
 _GGUF_SOURCES: dict[Path, Path] = {}
 
 
-# --- dtype -------------------------------------------------------------------------
-
-
-def cpu_bf16_feature() -> str | None:
-    """The CPU feature that makes bf16 matmuls native (amx_bf16, else avx512_bf16), or None."""
-    flags: set[str] = set()
-    with contextlib.suppress(OSError):
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    if not flags:  # no /proc: torch >= 2.6 reports the same capabilities
-        caps = getattr(torch._C._cpu, "_get_cpu_capability", lambda: {})()
-        flags = {name for name, on in caps.items() if on}
-    return next((f for f in ("amx_bf16", "avx512_bf16") if f in flags), None)
-
-
-def resolve_dtype(setting: str, device: str) -> torch.dtype:
-    """`auto` = bfloat16 on CUDA (float16 before Ampere) and on bf16-capable CPUs, else float32."""
-    if setting != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[setting]
-    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    if on_cuda:
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    feature = cpu_bf16_feature()
-    dtype = torch.bfloat16 if feature else torch.float32
-    log.info(
-        "dtype auto resolved",
-        dtype=str(dtype).removeprefix("torch."),
-        reason=f"{feature} in the CPU flags" if feature else "no amx_bf16 / avx512_bf16: bf16 would be emulated",
-    )
-    return dtype
-
-
 # --- locating and preparing the model directory --------------------------------------
 
 
