@@ -6,9 +6,10 @@ Teacher forcing over `--windows` windows of 128 tokens of this repository's docs
 both the prefill path and the decode path of a mode are measured), against the
 float32 conversion of the embedded GGUF:
 
-  default      quantization=auto (gguf: int4 blocks for decode, their bf16 copy for
-               batches of >= 8 rows), fused CPU kernels, exact Q8 LM head
-  int4-only    the same without the bf16 copy (every matmul through the int4 kernel)
+  default      quantization=auto (gguf: the Q4 blocks through q4q8 on a VNNI CPU, their
+               bf16 copy for batches of >= 24 rows), fused CPU kernels, exact Q8 LM head
+  default only the same without the bf16 copy (every matmul through the packed kernel)
+  int4         gguf through torch's int4 kernel (bf16 activations), with / without the copy
   bf16         a bfloat16 model without quantization (the previous default on AMX CPUs)
 """
 

@@ -37,6 +37,17 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def cpu_ops() -> Any:
+    """The compiled CPU kernels (kernels/cpu), built once per machine; skips where they cannot be."""
+    from kernels.cpu import load_cpu_ops
+
+    ops = load_cpu_ops()
+    if ops is None:
+        pytest.skip("the CPU kernels cannot be built here (no compiler or ninja)")
+    return ops
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import CpuOps, load_cpu_ops
+from kernels.cpu import CpuOps
 from runtime.layers.batch_invariant import BLOCK_ROWS, batch_invariant_linear
 from runtime.layers.quantization.int4 import pack_int4, quantize_int4_values
 from runtime.layers.quantization.int8 import quantize_int8
@@ -21,14 +21,6 @@ from runtime.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 # SmolLM2-135M's linear shapes (in, out): qkv, gate|up, down, LM head.
 SHAPES = [(576, 960), (576, 3072), (1536, 576), (576, 49152)]
 BATCH_SIZES = [1, 2, 3, 7, 16, 17, 33, 64, 100]
-
-
-@pytest.fixture(scope="module")
-def ops() -> CpuOps:
-    loaded = load_cpu_ops()
-    if loaded is None:
-        pytest.skip("the CPU kernels cannot be built here (no compiler or ninja)")
-    return loaded
 
 
 def rows_alone_equal_rows_in_batches(matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> bool:
@@ -59,7 +51,7 @@ def test_torchs_int4_and_int8_weight_kernels_are_row_invariant_as_declared(k: in
     assert rows_alone_equal_rows_in_batches(lambda r: torch._weight_int8pack_mm(r, qweight, scales), x)
 
 
-def test_q8_lm_head_is_exact_for_q8_weights_and_batch_invariant(ops: CpuOps) -> None:
+def test_q8_lm_head_is_exact_for_q8_weights_and_batch_invariant(cpu_ops: CpuOps) -> None:
     torch.manual_seed(0)
     n, k = 4096, 576
     d = (torch.rand(n, k // 32) * 0.01).half().float()  # a GGUF Q8_0 scale is a float16
@@ -69,9 +61,9 @@ def test_q8_lm_head_is_exact_for_q8_weights_and_batch_invariant(ops: CpuOps) -> 
     packed = pack_q8_exact(w)
     assert packed is not None, "Q8_0 weights dequantized to float32 must pack exactly"
     x = torch.randn(40, k)
-    y = ops.q8_linear(x, packed.qw, packed.scales)
+    y = cpu_ops.q8_linear(x, packed.qw, packed.scales)
     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-4)
-    assert rows_alone_equal_rows_in_batches(lambda r: ops.q8_linear(r, packed.qw, packed.scales), x)
+    assert rows_alone_equal_rows_in_batches(lambda r: cpu_ops.q8_linear(r, packed.qw, packed.scales), x)
 
 
 def test_q8_packing_refuses_weights_it_would_change() -> None:
@@ -83,7 +75,7 @@ def test_q8_packing_refuses_weights_it_would_change() -> None:
     assert (q.abs() <= 127).all() and d.shape == (64, 18)
 
 
-def test_paged_attention_gives_a_token_the_same_bits_however_its_prompt_is_split(ops: CpuOps) -> None:
+def test_paged_attention_gives_a_token_the_same_bits_however_its_prompt_is_split(cpu_ops: CpuOps) -> None:
     """Whole prefill, chunks after a cached prefix, batched with another request, or
     as a decode step (one query alone): one query's output is one fixed computation."""
     torch.manual_seed(0)
@@ -95,22 +87,22 @@ def test_paged_attention_gives_a_token_the_same_bits_however_its_prompt_is_split
 
     def attend(rows: torch.Tensor, req: int, first: int) -> torch.Tensor:
         n = rows.shape[0]
-        return ops.paged_attention(rows, k_buf, v_buf, kv_idx, torch.full((n,), req), torch.arange(first, first + n) + 1, 0.125)
+        return cpu_ops.paged_attention(rows, k_buf, v_buf, kv_idx, torch.full((n,), req), torch.arange(first, first + n) + 1, 0.125)
 
     whole = attend(q, 0, 0)
     chunks = torch.cat([attend(q[:17], 0, 0), attend(q[17:40], 0, 17), attend(q[40:], 0, 40)])
     assert torch.equal(chunks, whole)
     other = torch.randn(30, hq, d)
-    batched = ops.paged_attention(
+    batched = cpu_ops.paged_attention(
         torch.cat([other, q]), k_buf, v_buf, kv_idx,
         torch.cat([torch.ones(30, dtype=torch.long), torch.zeros(length, dtype=torch.long)]),
         torch.cat([torch.arange(30) + 1, torch.arange(length) + 1]), 0.125,
     )  # fmt: skip
     assert torch.equal(batched[30:], whole)
-    decode_step = ops.paged_attention(q[-1:], k_buf, v_buf, kv_idx, torch.zeros(1, dtype=torch.long), torch.tensor([length]), 0.125)
+    decode_step = cpu_ops.paged_attention(q[-1:], k_buf, v_buf, kv_idx, torch.zeros(1, dtype=torch.long), torch.tensor([length]), 0.125)
     assert torch.equal(decode_step[0], whole[-1])
     # The fast decode kernel (the default path) is the same attention, summed in another order.
-    fast = ops.paged_decode(q[-1:], k_buf, v_buf, kv_idx[:1], torch.tensor([length]), 0.125)
+    fast = cpu_ops.paged_decode(q[-1:], k_buf, v_buf, kv_idx[:1], torch.tensor([length]), 0.125)
     torch.testing.assert_close(fast[0], whole[-1], rtol=1e-5, atol=1e-5)
     # and it is attention: causal SDPA over the same keys.
     keys, values = k_buf[kv_idx[0]].transpose(0, 1)[None], v_buf[kv_idx[0]].transpose(0, 1)[None]
@@ -119,27 +111,27 @@ def test_paged_attention_gives_a_token_the_same_bits_however_its_prompt_is_split
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_row_ops_match_the_torch_code_they_replace(ops: CpuOps, dtype: torch.dtype) -> None:
+def test_fused_row_ops_match_the_torch_code_they_replace(cpu_ops: CpuOps, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     x, residual, w = torch.randn(7, 576).to(dtype), torch.randn(7, 576).to(dtype), torch.randn(576).to(dtype)
     total = x + residual
     res = residual.clone()
-    out = ops.add_rms_norm_(x, res, w, 1e-5)
+    out = cpu_ops.add_rms_norm_(x, res, w, 1e-5)
     assert torch.equal(res, total), "the residual stream is updated in place, rounded as torch rounds x + residual"
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out, w * F.rms_norm(total.float(), (576,), eps=1e-5).to(dtype), rtol=tol, atol=tol)
-    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), w * F.rms_norm(x.float(), (576,), eps=1e-5).to(dtype), rtol=tol, atol=tol)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5), w * F.rms_norm(x.float(), (576,), eps=1e-5).to(dtype), rtol=tol, atol=tol)
 
     gate_up = torch.randn(5, 3072).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=tol, atol=tol)
+    torch.testing.assert_close(cpu_ops.silu_mul(gate_up), F.silu(gate) * up, rtol=tol, atol=tol)
 
     rope = RotaryEmbedding(64, 4096, {"rope_theta": 100000.0, "rope_type": "default"})
     positions = torch.tensor([0, 5, 77, 4000, 3])
     qkv = torch.randn(5, 960).to(dtype)
     inputs = rope(positions)
     rotated = qkv.clone()
-    ops.rotary_(rotated, positions, inputs.cos_sin_cache, 12, 64)  # 9 q heads + 3 k heads
+    cpu_ops.rotary_(rotated, positions, inputs.cos_sin_cache, 12, 64)  # 9 q heads + 3 k heads
     q, k = qkv[:, :576].view(5, 9, 64), qkv[:, 576:768].view(5, 3, 64)
     torch.testing.assert_close(rotated[:, :576].view(5, 9, 64), apply_rotary(q, inputs.cos, inputs.sin), rtol=tol, atol=tol)
     torch.testing.assert_close(rotated[:, 576:768].view(5, 3, 64), apply_rotary(k, inputs.cos, inputs.sin), rtol=tol, atol=tol)
@@ -166,13 +158,13 @@ def test_the_samplers_row_reductions_are_batch_invariant() -> None:
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_store_kv_writes_what_the_pools_index_put_writes(ops: CpuOps, kv_dtype: torch.dtype) -> None:
+def test_store_kv_writes_what_the_pools_index_put_writes(cpu_ops: CpuOps, kv_dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     qkv = torch.randn(5, 960)
     k, v = qkv[:, 576:768].view(5, 3, 64), qkv[:, 768:].view(5, 3, 64)  # strided views, as the model passes them
     loc = torch.tensor([7, 2, 40, 11, 3])
     k_buf, v_buf = torch.zeros(50, 3, 64, dtype=kv_dtype), torch.zeros(50, 3, 64, dtype=kv_dtype)
-    ops.store_kv(k_buf, v_buf, loc, k, v)
+    cpu_ops.store_kv(k_buf, v_buf, loc, k, v)
     k_ref, v_ref = torch.zeros_like(k_buf), torch.zeros_like(v_buf)
     k_ref[loc], v_ref[loc] = k.to(kv_dtype), v.to(kv_dtype)
     assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import CpuOps, load_cpu_ops
+from kernels.cpu import CpuOps
 from runtime.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from runtime.layers.quantization import linear_form
 from runtime.layers.quantization.q4q8 import Q4Q8LinearMethod, pack_q4, unpack_q4
@@ -23,14 +23,6 @@ from runtime.layers.quantization.q8 import pack_q8_exact, pack_q8_vnni
 from tests.test_gguf_quantization import gguf_layer, gguf_weight, reference, rel_err
 
 SHAPES = [(1, 16, 32), (3, 576, 576), (7, 960, 576), (16, 576, 1536), (37, 48, 96)]  # (M, N, K)
-
-
-@pytest.fixture(scope="module")
-def ops() -> CpuOps:
-    ops = load_cpu_ops()
-    if ops is None:
-        pytest.skip("no C++ compiler here: the CPU kernels are not built")
-    return ops
 
 
 def random_blocks(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,12 +52,12 @@ def test_packing_round_trips_codes_and_scales_exactly() -> None:
 
 
 @pytest.mark.parametrize(("M", "N", "K"), SHAPES)
-def test_kernel_is_the_fixed_point_product_with_the_blocks(ops: CpuOps, M: int, N: int, K: int) -> None:
+def test_kernel_is_the_fixed_point_product_with_the_blocks(cpu_ops: CpuOps, M: int, N: int, K: int) -> None:
     torch.manual_seed(M * N + K)
     q, d, m = random_blocks(N, K)
     x = torch.randn(M, K)
     x[:, 3] *= 40  # an outlier channel, as hidden states have: its block's scale grows
-    y = ops.q4_linear(x, pack_q4(q, d, m))
+    y = cpu_ops.q4_linear(x, pack_q4(q, d, m))
     w = (q.double().view(N, K // 32, 32) * d.double()[..., None] + m.double()[..., None]).view(N, K)
     ref = fixed_point(x) @ w.T
     assert y.shape == (M, N) and y.dtype == torch.float32
@@ -73,23 +65,23 @@ def test_kernel_is_the_fixed_point_product_with_the_blocks(ops: CpuOps, M: int, 
     assert ((y.double() - x.double() @ w.T).abs().max() / ref.abs().max()).item() < 3e-4
 
 
-def test_a_row_gets_the_same_bits_alone_and_anywhere_in_any_batch(ops: CpuOps) -> None:
+def test_a_row_gets_the_same_bits_alone_and_anywhere_in_any_batch(cpu_ops: CpuOps) -> None:
     torch.manual_seed(0)
     records = pack_q4(*random_blocks(576, 576))
     x = torch.randn(21, 576)
     probe = torch.randn(576)
-    alone = ops.q4_linear(probe[None], records)[0]
+    alone = cpu_ops.q4_linear(probe[None], records)[0]
     for rows, at in [(2, 1), (4, 3), (5, 4), (7, 5), (13, 0), (21, 10)]:  # every tile remainder and place
         batch = x[:rows].clone()
         batch[at] = probe
-        assert torch.equal(ops.q4_linear(batch, records)[at], alone), (rows, at)
+        assert torch.equal(cpu_ops.q4_linear(batch, records)[at], alone), (rows, at)
 
 
-def test_zero_rows_and_zero_blocks_give_exact_zeros_plus_the_min_term(ops: CpuOps) -> None:
+def test_zero_rows_and_zero_blocks_give_exact_zeros_plus_the_min_term(cpu_ops: CpuOps) -> None:
     q, d, m = random_blocks(16, 64)
     x = torch.zeros(2, 64)
     x[1, 40] = 1.0  # block 1 holds one value; block 0 is all zeros (scale 0, no division)
-    y = ops.q4_linear(x, pack_q4(q, d, m))
+    y = cpu_ops.q4_linear(x, pack_q4(q, d, m))
     assert torch.equal(y[0], torch.zeros(16))
     w = q[:, 40].double() * d[:, 1].double() + m[:, 1].double()
     assert torch.allclose(y[1].double(), w, rtol=1e-6, atol=0)
@@ -97,13 +89,13 @@ def test_zero_rows_and_zero_blocks_give_exact_zeros_plus_the_min_term(ops: CpuOp
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 @pytest.mark.parametrize("row", [False, True])
-def test_a_gguf_layer_packs_the_files_blocks_exactly_and_computes_with_them(ops: CpuOps, kind: str, row: bool) -> None:
+def test_a_gguf_layer_packs_the_files_blocks_exactly_and_computes_with_them(cpu_ops: CpuOps, kind: str, row: bool) -> None:
     torch.manual_seed(7)
     weight = gguf_weight(torch.randn(192, 576) * 0.02, kind)
-    layer = gguf_layer((RowParallelLinear if row else ColumnParallelLinear)(576, 192), {None: weight}, ops)
+    layer = gguf_layer((RowParallelLinear if row else ColumnParallelLinear)(576, 192), {None: weight}, cpu_ops)
     # The engine takes this form exactly where the CPU has AVX512-VNNI; elsewhere torch's int4.
-    assert linear_form(layer) == ("q4q8" if ops.q4_linear_vnni() else "int4")
-    if not ops.q4_linear_vnni():
+    assert linear_form(layer) == ("q4q8" if cpu_ops.q4_linear_vnni() else "int4")
+    if not cpu_ops.q4_linear_vnni():
         return
     method = layer.quant_method
     assert isinstance(method, Q4Q8LinearMethod) and "weight" not in layer._parameters
@@ -114,16 +106,16 @@ def test_a_gguf_layer_packs_the_files_blocks_exactly_and_computes_with_them(ops:
     assert y.dtype == x.dtype and rel_err(y, x @ reference(weight).T) < 2e-4  # bf16 activations: ~3e-3
 
 
-def test_q8_0_parts_keep_the_two_plane_int4_form(ops: CpuOps) -> None:
+def test_q8_0_parts_keep_the_two_plane_int4_form(cpu_ops: CpuOps) -> None:
     """A fused layer with a Q8_0 part has no Q4 form; it stays on torch's int4 planes."""
     layer = QKVParallelLinear(128, 32, total_num_heads=2, total_num_kv_heads=1)
     parts = {"q": gguf_weight(torch.randn(64, 128), "Q4_1"), "k": gguf_weight(torch.randn(32, 128), "Q8_0"),
              "v": gguf_weight(torch.randn(32, 128), "Q4_0")}  # fmt: skip
-    gguf_layer(layer, parts, ops)
+    gguf_layer(layer, parts, cpu_ops)
     assert linear_form(layer) == "int4x2"
 
 
-def test_the_q8_lm_head_in_vnni_records_is_the_fixed_point_product_with_its_exact_blocks(ops: CpuOps) -> None:
+def test_the_q8_lm_head_in_vnni_records_is_the_fixed_point_product_with_its_exact_blocks(cpu_ops: CpuOps) -> None:
     """The LM head (a GGUF's Q8_0 token embedding, runtime/layers/quantization/q8.py) through
     the same kernel: codes q + 128 with m = -128 d, so the records hold the weight exactly."""
     torch.manual_seed(3)
@@ -137,8 +129,8 @@ def test_the_q8_lm_head_in_vnni_records_is_the_fixed_point_product_with_its_exac
     assert records.shape == (n // 16, k // 32, 640)
     x = torch.randn(9, k)
     x[:, 7] *= 40
-    y = ops.q8_linear_vnni(x, records)
+    y = cpu_ops.q8_linear_vnni(x, records)
     ref = fixed_point(x) @ w.double().T
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
     assert ((y.double() - x.double() @ w.double().T).abs().max() / ref.abs().max()).item() < 3e-4
-    assert torch.equal(ops.q8_linear_vnni(x[4:5].clone(), records)[0], y[4])  # per row: batch-invariant
+    assert torch.equal(cpu_ops.q8_linear_vnni(x[4:5].clone(), records)[0], y[4])  # per row: batch-invariant

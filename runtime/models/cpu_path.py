@@ -46,8 +46,8 @@ def bind_cpu_ops(model: nn.Module, ops: CpuOps) -> dict[str, int]:
             # A quantized model's head takes the blocks x 16-bit fixed-point activations too
             # (q4q8.py's way, 2.4x faster); an unquantized one keeps float32 activations, whose
             # logprobs equal the float32 model's to 1e-5 (tests compare them with HF).
-            quantized = any(isinstance(layer.quant_method, Q4Q8LinearMethod) for layer in linear_layers(model))
-            if quantized and ops.q4_linear_vnni():
+            # (q4q8 layers exist only where the CPU has VNNI)
+            if any(isinstance(layer.quant_method, Q4Q8LinearMethod) for layer in linear_layers(model)):
                 processor.q8 = processor.q8._replace(vnni=pack_q8_vnni(processor.q8))
     return bound
 

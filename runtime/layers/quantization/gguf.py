@@ -8,7 +8,7 @@ layout (gguf_blocks.py) and hands the layer to the method that computes with it:
 
     all parts Q4_0/Q4_1          -> Q4Q8LinearMethod where the CPU kernels are bound and
                                     the CPU has AVX512-VNNI (the file's blocks as they
-                                    are, int8 activations: q4q8.py), else
+                                    are, 16-bit fixed-point activations: q4q8.py), else
                                     Int4LinearMethod, group 32 (one plane)
     any part Q8_0, rest Q4/Q8    -> Int4PlanesLinearMethod, two planes (Q4 parts' second
                                     plane is zero), exact where per-channel int8 is not

@@ -1,13 +1,14 @@
-"""Q4 blocks x int8 activations: a GGUF's Q4_0/Q4_1 linear layers on AVX512-VNNI.
+"""Q4 blocks x 16-bit fixed-point activations: a GGUF's Q4_0/Q4_1 linears on AVX512-VNNI.
 
-llama.cpp's way, in sluice's kernel (kernels/cpu/q4_linear.cpp): the weight stays the
-file's blocks (per row and 32 input columns, `w = d * q + m`, q in [0, 15], d and m
-fp16, so the packed form is exact), and each activation row is quantized on the fly
-to int8 blocks of the same 32 columns (`x ~= s * a`, s = max|x| / 127 per block). A
-block's product is then an exact integer dot product (`vpdpbusd`: 64 multiply-adds
-an instruction) scaled once: `d * s * (q . a) + m * s * sum(a)`. The only loss is the
-activation's rounding to int8 (bench/RESULTS.md item 17 measures the model's
-agreement with float32).
+In sluice's kernel (kernels/cpu/q4_linear.cpp) the weight stays the file's blocks (per
+row and 32 input columns, `w = d * q + m`, q in [0, 15], d and m fp16, so the packed
+form is exact), and each activation row is rounded on the fly, per the same 32
+columns, to two int8 planes: `x ~= u * (256 a + b)`, u = max|x| / 127 / 256. A block's
+product is then two exact integer dot products (`vpdpbusd`: 64 multiply-adds an
+instruction) scaled once: `d * u * (256 (q . a) + q . b) + m * u * (256 sum a + sum b)`.
+The only loss is that rounding, ~1/65000 of a block's largest value: the model agrees
+with float32 on every teacher-forced token measured (bench/RESULTS.md item 17), where
+one int8 plane (llama.cpp's Q8_1 activations) lost 4 points.
 
 At a few rows the step reads 4.5 bits a weight (memory-bound where torch's int4
 kernel is compute-bound); at 16 rows the kernel runs at the VNNI units' rate. For
