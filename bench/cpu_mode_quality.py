@@ -7,7 +7,7 @@ both the prefill path and the decode path of a mode are measured), against the
 float32 conversion of the embedded GGUF:
 
   default      quantization=auto (gguf: the Q4 blocks through q4q8 on a VNNI CPU, their
-               bf16 copy for batches of >= 24 rows), fused CPU kernels, exact Q8 LM head
+               bf16 copy for batches of >= 32 rows), fused CPU kernels, exact Q8 LM head
   default only the same without the bf16 copy (every matmul through the packed kernel)
   int4         gguf through torch's int4 kernel (bf16 activations), with / without the copy
   bf16         a bfloat16 model without quantization (the previous default on AMX CPUs)

@@ -57,29 +57,55 @@ struct QuantRows {  // x as two int8 planes a, b [M, K]; u and u * (256 sum a + 
   std::vector<float> u, usum;
 };
 
+// One group of 32 values -> its two planes; returns u and sets usum. The vector and the
+// scalar forms perform the same float operations, so they give the same bits.
+inline float quantize_group(const float* v, int8_t* a, int8_t* b, float& usum) {
+#if defined(Q4_VNNI)
+  const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // half to even, as nearbyint
+  __m512i sum = _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h) {
+    const __m512 scaled = _mm512_mul_ps(h ? v1 : v0, inv);
+    const __m512 hi = _mm512_roundscale_ps(scaled, kNearest);
+    const __m512 lo = _mm512_min_ps(
+        _mm512_roundscale_ps(_mm512_mul_ps(_mm512_set1_ps(256.f), _mm512_sub_ps(scaled, hi)), kNearest),
+        _mm512_set1_ps(127.f));
+    const __m512i hi_i = _mm512_cvtps_epi32(hi), lo_i = _mm512_cvtps_epi32(lo);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + 16 * h), _mm512_cvtepi32_epi8(hi_i));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(b + 16 * h), _mm512_cvtepi32_epi8(lo_i));
+    sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_slli_epi32(hi_i, 8), lo_i));
+  }
+  const int32_t total = _mm512_reduce_add_epi32(sum);
+#else
+  float amax = 0.f;
+  for (int64_t t = 0; t < kGroup; ++t) amax = std::max(amax, std::fabs(v[t]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t total = 0;
+  for (int64_t t = 0; t < kGroup; ++t) {
+    const float scaled = v[t] * inv;
+    const float hi = std::nearbyint(scaled);  // round half to even
+    // scaled - hi is exact and in [-1/2, 1/2]: b in [-128, 128], 128 clamped
+    const float lo = std::min(std::nearbyint(256.f * (scaled - hi)), 127.f);
+    a[t] = static_cast<int8_t>(hi);
+    b[t] = static_cast<int8_t>(lo);
+    total += 256 * static_cast<int32_t>(hi) + static_cast<int32_t>(lo);
+  }
+#endif
+  const float u = amax / 127.f / 256.f;
+  usum = u * static_cast<float>(total);
+  return u;
+}
+
 QuantRows quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t G = K / kGroup;
   QuantRows q{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K), std::vector<float>(M * G),
               std::vector<float>(M * G)};
-  sluice::parallel_for(M * G, 16, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(M * G, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t at = (i / G) * K + (i % G) * kGroup;
-      const float* v = x + at;
-      float amax = 0.f;
-      for (int64_t t = 0; t < kGroup; ++t) amax = std::max(amax, std::fabs(v[t]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      for (int64_t t = 0; t < kGroup; ++t) {
-        const float scaled = v[t] * inv;
-        const float hi = std::nearbyint(scaled);  // round half to even
-        // scaled - hi is exact and in [-1/2, 1/2]: b in [-128, 128], 128 clamped
-        const float lo = std::min(std::nearbyint(256.f * (scaled - hi)), 127.f);
-        q.a[at + t] = static_cast<int8_t>(hi);
-        q.b[at + t] = static_cast<int8_t>(lo);
-        sum += 256 * static_cast<int32_t>(hi) + static_cast<int32_t>(lo);
-      }
-      q.u[i] = amax / 127.f / 256.f;
-      q.usum[i] = q.u[i] * static_cast<float>(sum);
+      q.u[i] = quantize_group(x + at, q.a.data() + at, q.b.data() + at, q.usum[i]);
     }
   });
   return q;
