@@ -24,7 +24,7 @@ def _reference_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     for i, n in enumerate(lens):
         k = k_buf[idx[i, :n]].float().transpose(0, 1)[None]  # [1, Hkv, n, D]
         v = v_buf[idx[i, :n]].float().transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(q[i][None, :, None, :], k, v, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q[i][None, :, None, :].to(k.dtype), k, v, enable_gqa=True)
         out.append(o[0, :, 0, :])
     return torch.stack(out)
 
@@ -42,6 +42,35 @@ def test_cpu_paged_decode_kernel_matches_sdpa(kv_dtype: torch.dtype) -> None:
     q = torch.randn(len(lens), hq, d, generator=gen)
     ours = kernel(q, k_buf, v_buf, idx, torch.tensor(lens), d**-0.5)
     torch.testing.assert_close(ours, _reference_decode(q, k_buf, v_buf, idx, lens), atol=1e-5, rtol=1e-4)
+
+
+# One long sequence (its positions split into spans over the threads, then merged), a
+# short one (too short to split), other head layouts (MHA; 4 q heads per kv head; D 128,
+# 32, 48), and a float64 q (the plain loop).
+@pytest.mark.parametrize(
+    ("lens", "hq", "hkv", "d", "dtype"),
+    [([300], 9, 3, 64, torch.float32), ([7], 9, 3, 64, torch.float32), ([64, 1], 8, 8, 128, torch.float32),
+     ([1000], 4, 1, 32, torch.float32), ([33, 90, 2], 6, 2, 48, torch.float32), ([150], 9, 3, 64, torch.float64)],
+)  # fmt: skip
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_paged_decode_splits_a_long_sequence_and_handles_every_head_layout(
+    lens: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype, threads: int
+) -> None:
+    kernel = load_paged_decode()
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(1)
+    slots = 2000
+    k_buf = torch.randn(slots, hkv, d, generator=gen).to(dtype)
+    v_buf = torch.randn(slots, hkv, d, generator=gen).to(dtype)
+    idx = torch.stack([torch.randperm(slots, generator=gen)[: max(lens)] for _ in lens])
+    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype) * 3  # peaked softmax: the merge's rescaling matters
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours = kernel(q, k_buf, v_buf, idx, torch.tensor(lens), d**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(ours, _reference_decode(q, k_buf, v_buf, idx, lens).to(dtype), atol=1e-5, rtol=1e-4)
 
 
 def test_bf16_kv_cache_generates_what_hf_considers_greedy(make_engine: Any, prompts: list[list[int]], hf_oracle: Any) -> None:

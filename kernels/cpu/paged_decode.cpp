@@ -7,16 +7,26 @@
 // kv_idx: [n, max_len] int64  slot of each position (only the first lens[i] are read)
 // lens:   [n] int64           out: [n, Hq, D] (q's dtype)
 //
-// One work item is one sequence, all heads: a slot's K (then V) row, Hkv*D
-// contiguous values, is read once and in full, so consecutive slots stream
-// through memory instead of being visited head by head at a stride.
+// AVX-512 path (D a multiple of 16): one work item is one sequence, one kv head and one
+// span of its positions; the G = Hq / Hkv query heads that share the kv head are scored
+// together, so each K and V row is read once, as D / 16 vectors, straight from the pool.
+// A sequence's positions are split into spans only when there are fewer (sequence, kv
+// head) pairs than threads (a single stream's step would otherwise leave cores idle);
+// each span keeps its own max, exp-sum and weighted V sum, merged at the end as
+// flash-decoding does. Elsewhere a plain loop with the same formula.
 //
 // The fastest decode; its sums are not the per-query order of paged_attention.cpp,
 // which deterministic inference uses for decodes too (a token decoded here and the
 // same token recomputed by an extend would differ in the last bits).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY_AVX512
+#include <immintrin.h>
+#endif
 #include "spin_pool.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -98,6 +108,138 @@ static void decode_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at
   });
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+namespace {
+
+template <typename KT>
+inline __m512 load16(const KT* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {  // the high half of a float
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+template <>
+inline __m512 load16<at::Half>(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+constexpr int64_t kMaxVecs = 16;  // G * D / 16 accumulators in registers (SmolLM2: 3 * 4)
+constexpr int64_t kMinSpan = 32;  // positions a span is worth splitting for
+
+// One span [t0, t1) of sequence i against kv head h: part = {max, exp-sum, G x D sums}
+// per query head. G * D / 16 <= kMaxVecs, D % 16 == 0 (checked by the caller).
+template <typename KT>
+void decode_span(const float* qf, const KT* kp, const KT* vp, const int64_t* idx, int64_t t0, int64_t t1, int64_t row,
+                 int64_t h, int64_t G, int64_t D, std::vector<float>& scores, float* part) {
+  using Vec = at::vec::Vectorized<float>;
+  const int64_t dv = D / 16, len = t1 - t0;
+  if (static_cast<int64_t>(scores.size()) < G * len) scores.resize(G * len);
+  __m512 qv[kMaxVecs];
+  for (int64_t j = 0; j < G * dv; ++j) qv[j] = _mm512_loadu_ps(qf + 16 * j);
+  // Pass 1: scores[g * len + t] = q_g . k_t (q pre-scaled).
+  for (int64_t t = 0; t < len; ++t) {
+    const KT* kr = kp + idx[t0 + t] * row + h * D;
+    __m512 kv[kMaxVecs];
+    for (int64_t j = 0; j < dv; ++j) kv[j] = load16(kr + 16 * j);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g * dv], kv[0]);
+      for (int64_t j = 1; j < dv; ++j) acc = _mm512_fmadd_ps(qv[g * dv + j], kv[j], acc);
+      scores[g * len + t] = _mm512_reduce_add_ps(acc);
+    }
+  }
+  // Softmax numerators per query head, 16 scores at a time.
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * len;
+    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + t));
+    float m = _mm512_reduce_max_ps(mv);
+    for (; t < len; ++t) m = std::max(m, sg[t]);
+    Vec sum(0.f);
+    for (t = 0; t < len; t += 16) {
+      const int64_t count = std::min<int64_t>(16, len - t);
+      const Vec e = (Vec::loadu(sg + t, count) - Vec(m)).exp();
+      e.store(sg + t, count);
+      sum = sum + Vec::loadu(sg + t, count);  // lanes past count load +0.0
+    }
+    part[g * (D + 2)] = m;
+    part[g * (D + 2) + 1] = _mm512_reduce_add_ps(sum);
+  }
+  // Pass 2: the numerator-weighted sum of V rows, every head's sums in registers.
+  __m512 acc[kMaxVecs];
+  for (int64_t j = 0; j < G * dv; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const KT* vr = vp + idx[t0 + t] * row + h * D;
+    __m512 vv[kMaxVecs];
+    for (int64_t j = 0; j < dv; ++j) vv[j] = load16(vr + 16 * j);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+      for (int64_t j = 0; j < dv; ++j) acc[g * dv + j] = _mm512_fmadd_ps(p, vv[j], acc[g * dv + j]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < dv; ++j) _mm512_storeu_ps(part + g * (D + 2) + 2 + 16 * j, acc[g * dv + j]);
+}
+
+template <typename T, typename KT>
+void decode_avx512(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& kv_idx,
+                   const at::Tensor& lens, double scale, at::Tensor& out) {
+  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
+  const int64_t G = Hq / Hkv, max_len = kv_idx.size(1), row = Hkv * D;
+  const T* qp = q.data_ptr<T>();
+  const KT* kp = k_buf.data_ptr<KT>();
+  const KT* vp = v_buf.data_ptr<KT>();
+  const int64_t* ip = kv_idx.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  int64_t longest = 0;
+  for (int64_t i = 0; i < n; ++i) longest = std::max(longest, lp[i]);
+  // Spans per (sequence, kv head): enough items for every thread, none under kMinSpan.
+  const int64_t threads = sluice::SpinPool::get().threads();
+  const int64_t spans = std::max<int64_t>(1, std::min((threads + n * Hkv - 1) / (n * Hkv), longest / kMinSpan));
+  const int64_t stride = G * (D + 2);  // one span's partial result
+  std::vector<float> parts(n * Hkv * spans * stride);
+  sluice::parallel_for(n * Hkv * spans, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), scores;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t i = w / (Hkv * spans), h = (w / spans) % Hkv, s = w % spans;
+      const int64_t len = lp[i], t0 = len * s / spans, t1 = len * (s + 1) / spans;
+      float* part = parts.data() + w * stride;
+      if (t0 == t1) {  // an empty span: adds nothing to the merge
+        for (int64_t g = 0; g < G; ++g) part[g * (D + 2)] = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      for (int64_t j = 0; j < G * D; ++j) qf[j] = static_cast<float>(qp[(i * Hq + h * G) * D + j]) * fscale;
+      decode_span<KT>(qf.data(), kp, vp, ip + i * max_len, t0, t1, row, h, G, D, scores, part);
+    }
+  });
+  // Merge the spans of each (sequence, query head): rescale to the common max.
+  for (int64_t ih = 0; ih < n * Hkv; ++ih) {
+    const float* first = parts.data() + ih * spans * stride;
+    for (int64_t g = 0; g < G; ++g) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < spans; ++s) m = std::max(m, first[s * stride + g * (D + 2)]);
+      float sum = 0.f;
+      std::vector<float> o(D, 0.f);
+      for (int64_t s = 0; s < spans; ++s) {
+        const float* p = first + s * stride + g * (D + 2);
+        if (p[0] == -std::numeric_limits<float>::infinity()) continue;
+        const float w = spans == 1 ? 1.f : std::exp(p[0] - m);
+        sum += w * p[1];
+        for (int64_t d = 0; d < D; ++d) o[d] += w * p[2 + d];
+      }
+      const float inv = 1.f / sum;
+      T* dst = op + (ih * G + g) * D;  // (i, h * G + g) = ih * G + g: q heads of kv head h are consecutive
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] * inv);
+    }
+  }
+}
+
+}  // namespace
+#endif
+
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_idx, at::Tensor lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3, "q, k_buf, v_buf must be 3-D");
   TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type(), "K and V buffers differ in dtype");
@@ -110,6 +252,20 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Te
   kv_idx = kv_idx.to(at::kLong).contiguous();
   lens = lens.to(at::kLong).contiguous();
   auto out = at::empty_like(q);
+#if defined(CPU_CAPABILITY_AVX512)
+  const int64_t D = q.size(2), G = q.size(1) / k_buf.size(1);
+  if (D % 16 == 0 && G * (D / 16) <= kMaxVecs && q.size(0) > 0) {
+    const auto qt = q.scalar_type(), kt = k_buf.scalar_type();
+    bool done = true;
+    if (qt == at::kFloat && kt == at::kFloat) decode_avx512<float, float>(q, k_buf, v_buf, kv_idx, lens, scale, out);
+    else if (qt == at::kFloat && kt == at::kBFloat16) decode_avx512<float, at::BFloat16>(q, k_buf, v_buf, kv_idx, lens, scale, out);
+    else if (qt == at::kFloat && kt == at::kHalf) decode_avx512<float, at::Half>(q, k_buf, v_buf, kv_idx, lens, scale, out);
+    else if (qt == at::kBFloat16 && kt == at::kBFloat16) decode_avx512<at::BFloat16, at::BFloat16>(q, k_buf, v_buf, kv_idx, lens, scale, out);
+    else if (qt == at::kHalf && kt == at::kHalf) decode_avx512<at::Half, at::Half>(q, k_buf, v_buf, kv_idx, lens, scale, out);
+    else done = false;  // float64: the plain loop
+    if (done) return out;
+  }
+#endif
   if (k_buf.scalar_type() == at::kBFloat16 && narrow_kv) {
     decode_kernel<float, at::BFloat16>(q, k_buf, v_buf, kv_idx, lens, scale, out);
   } else if (k_buf.scalar_type() == at::kHalf && narrow_kv) {
