@@ -9,9 +9,13 @@
 // These helpers spin for kSpin iterations after each job (a layer's next kernel is tens
 // of microseconds away), then sleep on a condition variable until the next job.
 //
-// run(n, f) calls f(begin, end) over [0, n) split into one contiguous chunk per thread
-// (the caller takes the first), and returns when all are done. Chunks are a pure function
-// of n and the thread count, so a kernel whose rows do not interact stays batch-invariant.
+// run(n, f) calls f(begin, end) over [0, n) split into one contiguous chunk per thread,
+// and returns when all are done. Chunks are a pure function of n and the thread count, so
+// a kernel whose rows do not interact stays batch-invariant; which thread runs a chunk is
+// not fixed: the caller and the helpers claim chunks from one atomic ticket, and the
+// caller takes every chunk no helper claimed by the time it is free. So a helper that
+// is not on a core (OpenMP's helper of the previous torch op still spinning there, or the
+// scheduler's thread) delays nothing: the caller runs its chunk itself.
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -57,19 +61,20 @@ class SpinPool {
       return;
     }
     std::lock_guard<std::mutex> one_job(running_);  // callers on other threads take turns
+    // The job's fields, then the ticket that publishes them (release): a claim that
+    // succeeds on this job's ticket sees them, and they stay until its chunk is done.
     job_ = &f;
     n_ = n;
-    active_ = t;
-    // Every helper reports, the idle ones too: none may still be looking at this job's
-    // fields when the next one writes them.
-    pending_.store(threads_ - 1, std::memory_order_relaxed);
+    chunks_ = t;
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t job = (ticket_.load(std::memory_order_relaxed) >> 32) + 1;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      epoch_.fetch_add(1, std::memory_order_release);
+      ticket_.store(job << 32, std::memory_order_release);
     }
     cv_.notify_all();
-    f(0, chunk_end(0));
-    while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+    work(job);
+    while (done_.load(std::memory_order_acquire) != t) _mm_pause();
   }
 
  private:
@@ -77,29 +82,41 @@ class SpinPool {
   // between two kernels of a step, far shorter than the scheduler's gap between steps.
   static constexpr auto kSpin = std::chrono::microseconds(200);
   static constexpr auto kPause = std::chrono::microseconds(20);
+  static constexpr uint64_t kIndex = 0xffffffffu;
 
   explicit SpinPool(int threads) : threads_(threads), pid_(getpid()) {
-    for (int i = 1; i < threads; ++i) std::thread([this, i] { loop(i); }).detach();
+    for (int i = 1; i < threads; ++i) std::thread([this] { loop(); }).detach();
   }
 
-  int64_t chunk_end(int i) const { return n_ * (i + 1) / active_; }
+  // Claim and run chunks of job `job` until none is left.
+  void work(uint64_t job) {
+    uint64_t ticket = ticket_.load(std::memory_order_acquire);
+    while ((ticket >> 32) == job && static_cast<int64_t>(ticket & kIndex) < chunks_) {
+      if (!ticket_.compare_exchange_weak(ticket, ticket + 1, std::memory_order_acq_rel)) continue;
+      const int64_t i = static_cast<int64_t>(ticket & kIndex);
+      (*job_)(n_ * i / chunks_, n_ * (i + 1) / chunks_);
+      done_.fetch_add(1, std::memory_order_release);
+      ticket = ticket_.load(std::memory_order_acquire);
+    }
+  }
 
   void stop() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stopping_ = true;
-      epoch_.fetch_add(1, std::memory_order_release);
+      ticket_.fetch_add(uint64_t{1} << 32, std::memory_order_release);
     }
     cv_.notify_all();
   }
 
-  void loop(int i) {
-    uint64_t seen = 0;  // the epoch at construction: a job may be posted before this thread runs
+  void loop() {
+    uint64_t seen = ticket_.load(std::memory_order_acquire) >> 32;
+    auto posted = [&] { return (ticket_.load(std::memory_order_acquire) >> 32) != seen; };
     while (true) {
       // Pause-spin briefly, then yield-spin: a yielding helper hands its core to any other
       // runnable thread (an OpenMP helper of a torch op, the scheduler) instead of fighting it.
       const auto start = std::chrono::steady_clock::now();
-      for (int spins = 1; epoch_.load(std::memory_order_acquire) == seen; ++spins) {
+      for (int spins = 1; !posted(); ++spins) {
         if (spins % 64 == 0) {
           const auto waited = std::chrono::steady_clock::now() - start;
           if (waited > kSpin) break;
@@ -107,14 +124,13 @@ class SpinPool {
         }
         _mm_pause();
       }
-      if (epoch_.load(std::memory_order_acquire) == seen) {
+      if (!posted()) {
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return epoch_.load(std::memory_order_acquire) != seen; });
+        cv_.wait(lock, posted);
       }
-      seen = epoch_.load(std::memory_order_acquire);
       if (stopping_) return;
-      if (i < active_) (*job_)(n_ * i / active_, chunk_end(i));
-      pending_.fetch_sub(1, std::memory_order_acq_rel);
+      seen = ticket_.load(std::memory_order_acquire) >> 32;
+      work(seen);
     }
   }
 
@@ -122,11 +138,10 @@ class SpinPool {
   const pid_t pid_;
   std::mutex mu_, running_;
   std::condition_variable cv_;
-  std::atomic<uint64_t> epoch_{0};
-  std::atomic<int> pending_{0};
+  std::atomic<uint64_t> ticket_{0};  // (job << 32) | next unclaimed chunk
+  std::atomic<int> done_{0};         // chunks of the current job finished
   const std::function<void(int64_t, int64_t)>* job_ = nullptr;
-  int64_t n_ = 0;
-  int active_ = 0;
+  int64_t n_ = 0, chunks_ = 0;
   bool stopping_ = false;
 };
 
