@@ -110,6 +110,17 @@ def test_paged_attention_gives_a_token_the_same_bits_however_its_prompt_is_split
     torch.testing.assert_close(whole, ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cast_rounds_as_torch_does(cpu_ops: CpuOps, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(3, 1001) * 100  # not a multiple of the vector width
+    x[0, :6] = torch.tensor([1.00390625, 1.01171875, 1.0 + 2**-11, float("inf"), -0.0, 1e-40])  # ties, specials, subnormal
+    narrow = cpu_ops.cast(x, dtype)
+    assert narrow.dtype == dtype and torch.equal(narrow, x.to(dtype))
+    assert torch.equal(cpu_ops.cast(narrow, torch.float32), narrow.float())
+    assert cpu_ops.cast(x, torch.float32) is x  # already that dtype: no copy
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_row_ops_match_the_torch_code_they_replace(cpu_ops: CpuOps, dtype: torch.dtype) -> None:
     torch.manual_seed(0)

@@ -9,6 +9,7 @@ at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, d
 void rotary_(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin_cache, int64_t heads, int64_t head_dim);
 at::Tensor silu_mul(at::Tensor gate_up);
 void store_kv(at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc, at::Tensor k, at::Tensor v);
+at::Tensor cast(at::Tensor x, at::ScalarType dtype);
 at::Tensor q8_linear(at::Tensor x, at::Tensor qw, at::Tensor scales);
 bool q4_linear_vnni();
 at::Tensor q4_linear(at::Tensor x, at::Tensor packed);
@@ -21,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; weight * rms_norm(residual)");
   m.def("rotary_", &rotary_, "RoPE on the first heads of each row, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("cast", &cast, "x.to(dtype) on the kernels' threads");
   m.def("store_kv", &store_kv, "k_buf[loc] = k, v_buf[loc] = v (cast to the buffers' dtype)");
   m.def("q4_linear_vnni", &q4_linear_vnni, "q4_linear runs on AVX512-VNNI (else a scalar loop)");
   m.def("q4_linear", &q4_linear, "x @ W.T with W in Q4 blocks, x in int8 blocks of 32");

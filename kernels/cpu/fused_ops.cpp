@@ -195,3 +195,27 @@ void store_kv(at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc, at::Tensor k, 
   store_one(k, k_buf, idx);
   store_one(v, v_buf, idx);
 }
+
+// x cast to dtype (float32 <-> bfloat16 / float16, torch's round-to-nearest-even) on the
+// kernels' own threads: as torch ops on the engine's worker thread, each cast is an
+// OpenMP region whose sleeping helper must be woken (~70 us), two per linear layer of a
+// prefill that runs through the layers' bfloat16 copies.
+at::Tensor cast(at::Tensor x, at::ScalarType dtype) {
+  if (x.scalar_type() == dtype) return x;
+  x = x.contiguous();
+  auto out = at::empty(x.sizes(), x.options().dtype(dtype));
+  const int64_t n = x.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "cast_src", [&] {
+    using S = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "cast_dst", [&] {
+      const S* src = x.data_ptr<S>();
+      scalar_t* dst = out.data_ptr<scalar_t>();
+      constexpr int64_t kChunk = 1024;  // vector-aligned chunks: each a run of at::vec::convert
+      sluice::parallel_for((n + kChunk - 1) / kChunk, 16, [&](int64_t begin, int64_t end) {
+        const int64_t from = begin * kChunk, to = std::min(n, end * kChunk);
+        at::vec::convert(src + from, dst + from, to - from);
+      });
+    });
+  });
+  return out;
+}

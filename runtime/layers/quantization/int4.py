@@ -12,6 +12,8 @@ to bfloat16 in and the output back to the input dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from typing import TYPE_CHECKING, ClassVar, NamedTuple, cast
 
 import torch
@@ -107,16 +109,21 @@ DENSE_MIN_ROWS = 24
 
 
 def dense_matmul(
-    layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None, min_rows: int = DENSE_MIN_ROWS
+    layer: LinearBase,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    min_rows: int = DENSE_MIN_ROWS,
+    to_dtype: Callable[[torch.Tensor, torch.dtype], torch.Tensor] = torch.Tensor.to,
 ) -> torch.Tensor | None:
     """`x @ W.T (+ bias)` through the layer's bfloat16 copy of its int4 weight
     (`dense_weight`, kept by gguf where bf16 matmuls are native) when the batch has
     `min_rows` rows or more; None: use the packed kernel. Never under deterministic
-    inference: a row's kernel must not depend on how many rows share the call."""
+    inference: a row's kernel must not depend on how many rows share the call.
+    `to_dtype` casts x in and the result back (the CPU kernels' `cast` where bound)."""
     dense = cast(torch.Tensor | None, getattr(layer, "dense_weight", None))
     if dense is None or layer.batch_invariant or x.numel() < min_rows * x.shape[-1]:
         return None
-    out = torch.nn.functional.linear(x.to(dense.dtype), dense).to(x.dtype)
+    out = to_dtype(torch.nn.functional.linear(to_dtype(x, dense.dtype), dense), x.dtype)
     return out if bias is None else out + bias
 
 

@@ -83,7 +83,7 @@ class Q4Q8LinearMethod(UnquantizedLinearMethod):
         self.ops = ops
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        dense = dense_matmul(layer, x, bias, DENSE_MIN_ROWS)
+        dense = dense_matmul(layer, x, bias, DENSE_MIN_ROWS, self.ops.cast)
         if dense is not None:
             return dense
         out = self.ops.q4_linear(x.reshape(-1, x.shape[-1]).float(), cast(torch.Tensor, layer.q4_weight)).to(x.dtype)
