@@ -9,6 +9,7 @@ float32 conversion of the embedded GGUF:
   default      quantization=auto (gguf: the Q4 blocks through q4q8 on a VNNI CPU, their
                bf16 copy for batches of >= 32 rows), fused CPU kernels, exact Q8 LM head
   default only the same without the bf16 copy (every matmul through the packed kernel)
+  default, X KV the default with a float16 / bfloat16 KV cache (--kv-cache-dtype)
   int4         gguf through torch's int4 kernel (bf16 activations), with / without the copy
   bf16         a bfloat16 model without quantization (the previous default on AMX CPUs)
 """
@@ -33,6 +34,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--windows", type=int, default=24, help="128-token windows of docs text.")
+    parser.add_argument("--modes", nargs="+", choices=["default", "int4", "kv", "bf16"], default=["default", "int4", "kv", "bf16"])
+    parser.add_argument("--kv-cache-dtypes", nargs="*", default=["float16", "bfloat16"], help="Narrow KV caches to try.")
     args = parser.parse_args()
     root = Path(__file__).resolve().parent.parent
     model_dir = prepare_model_dir(None, "auto")
@@ -50,6 +53,8 @@ def main() -> None:
     # default: with the kernels, Q4 layers are q4q8 (int8 activations) on a VNNI CPU;
     # "int4": torch's int4 kernel (bf16 activations), the form without that kernel.
     for name, kernel_ops in [("default", ops), ("int4", None)]:
+        if name not in args.modes:
+            continue
         model = load_model(model_dir, f32, "auto", "cpu", seed=None, quantization="gguf", cpu_ops=kernel_ops)
         if ops is not None:
             bind_cpu_ops(model, ops)
@@ -58,6 +63,15 @@ def main() -> None:
             if hasattr(module, "dense_weight"):
                 del module.dense_weight
         print(f"{name + ' only':24s} %.4f %.4f" % agreement(logits(model, f32), ref))
+    # The default's decode path with a narrower KV cache (half the bytes a decode step reads).
+    for kv in args.kv_cache_dtypes if "kv" in args.modes else []:
+        narrow = ModelConfig.from_pretrained(model_dir, torch.float32, context_length=512, kv_cache_dtype=kv)
+        model = load_model(model_dir, narrow, "auto", "cpu", seed=None, quantization="gguf", cpu_ops=ops)
+        if ops is not None:
+            bind_cpu_ops(model, ops)
+        print(f"{'default, ' + kv + ' KV':24s} %.4f %.4f" % agreement(logits(model, narrow), ref))
+    if "bf16" not in args.modes:
+        return
     bf16 = ModelConfig.from_pretrained(model_dir, torch.bfloat16, context_length=512)
     print(f"{'bf16':24s} %.4f %.4f" % agreement(logits(load_model(model_dir, bf16, "auto", "cpu", seed=None), bf16), ref))
 

@@ -23,7 +23,7 @@ class PagedRequests:
 
     def __init__(self, config: ModelConfig, num_requests: int, max_tokens: int = 128) -> None:
         kv_heads = kv_heads_per_rank(config.num_kv_heads, get_tp_size())
-        self.pool = KVPool(max_tokens, config.num_layers, kv_heads, config.head_dim, config.dtype, "cpu")
+        self.pool = KVPool(max_tokens, config.num_layers, kv_heads, config.head_dim, config.kv_dtype, "cpu")
         self.req_to_token = torch.zeros(num_requests, max_tokens, dtype=torch.int32)
         self.lens = [0] * num_requests
         self.next_slot = 1
