@@ -40,8 +40,9 @@ class EngineSettings:
         "bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32."
     )
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
-        "auto", "KV cache dtype. auto = the model dtype. bfloat16 under a float32 model halves KV "
-        "memory and the KV read of every decode step, at a small accuracy cost."
+        "auto", "KV cache dtype. auto = the model dtype, except float16 under quantization=gguf on CPU "
+        "(as llama.cpp). A 16-bit cache under a float32 model halves KV memory and the KV read of every "
+        "decode step, at a small accuracy cost."
     )
     quantization: Literal["auto", "none", "int8", "int4", "gguf"] = knob(
         "auto", "Weight-only quantization of the linear layers (CPU only). int8: per output channel and "

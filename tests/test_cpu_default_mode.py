@@ -40,6 +40,15 @@ def test_auto_runs_a_gguf_model_on_its_own_blocks_in_float32(model_dir: Path) ->
     assert resolved(model_dir, quantization="none", dtype="float32") == ("none", torch.float32)
 
 
+def test_auto_gives_a_gguf_model_on_cpu_a_float16_kv_cache(model_dir: Path) -> None:
+    def kv(device: str = "cpu", **knobs: Any) -> str:
+        return resolve_quantization_and_dtype(EngineSettings(**knobs), device, model_dir)[0].kv_cache_dtype
+
+    assert kv() == "float16"  # half the bytes of every decode step's KV read, as llama.cpp's default
+    assert kv(kv_cache_dtype="float32") == "float32"  # an explicit dtype stays
+    assert kv(quantization="none", dtype="float32") == "auto"  # the HF-oracle mode keeps the model dtype
+
+
 def test_auto_leaves_other_models_and_setups_unquantized(model_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")  # an HF directory: no GGUF behind it
     assert resolved(tmp_path, dtype="float32") == ("none", torch.float32)
@@ -82,6 +91,7 @@ def test_an_engine_with_no_flags_serves_the_default_mode(make_engine: Any, token
     engine = make_engine(dtype="auto", quantization="auto")  # what `sluice serve` passes: the knobs' defaults
     assert dataclasses.asdict(engine.settings)["quantization"] == "gguf"
     assert engine.model_config.dtype == torch.float32
+    assert engine.model_config.kv_dtype == torch.float16 and engine.settings.kv_cache_dtype == "float16"
     model = engine.worker.model
     ops = load_cpu_ops()
     packed = "q4q8" if ops is not None and ops.q4_linear_vnni() else "int4"  # q4q8: Q4 blocks x int8 activations

@@ -69,7 +69,8 @@ def resolve_quantization_and_dtype(
     On CPU, in one process, a GGUF model runs its linear layers from the file's own
     Q4/Q8 blocks (gguf): the fastest decode that keeps >= 99% top-1 agreement with the
     float32 model (bench items 11, 16), and with it float32 for everything else
-    (residual stream, attention, KV, the LM head as exact Q8 blocks): bfloat16 there
+    (residual stream, attention, the LM head as exact Q8 blocks; the KV cache float16,
+    below): bfloat16 there
     drops agreement to 98.2% (item 11). Anything else (an HF directory, dummy weights,
     CUDA, tensor parallelism, where gguf was neither measured nor is faster) runs
     unquantized in the dtype `resolve_dtype` picks from the CPU's flags or the GPU.
@@ -89,7 +90,13 @@ def resolve_quantization_and_dtype(
     else:
         dtype = resolve_dtype(settings.dtype, device)
     log.info("quantization resolved", quantization=quant, setting=setting, reason=reason)
-    return dataclasses.replace(settings, quantization=quant), quant, dtype
+    settings = dataclasses.replace(settings, quantization=quant)
+    if settings.kv_cache_dtype == "auto" and quant == "gguf" and device == "cpu":
+        # A decode step at 16 streams of 130 tokens read more KV (96 MB in float32) than
+        # weights; float16 halves it at no measured agreement cost (bench/RESULTS.md item 18).
+        settings = dataclasses.replace(settings, kv_cache_dtype="float16")
+        log.info("kv_cache_dtype auto resolved", kv_cache_dtype="float16", reason="quantization=gguf on CPU: half the KV bytes")
+    return settings, quant, dtype
 
 
 def resolve_cpu_threads(setting: int | None, ranks_per_node: int) -> int:
