@@ -57,7 +57,11 @@ def capture_decode_batch(engine: Any, bs: int, input_len: int) -> Any:
         engine.generate(prompts, {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
     finally:
         del runner.forward_logits  # back to the class's method
-    return caught[0]
+    fb = caught[0]
+    # The backend's plan is the last batch's by now (the runner plans in forward_batch_of,
+    # not in forward_logits): plan this one again, or its attention reads another batch's rows.
+    fb.attn_backend.init_forward_metadata(fb)
+    return fb
 
 
 def compile_decode(model: Any, fb: Any, mode: str) -> tuple[Callable[[Any], Any], float]:

@@ -81,7 +81,8 @@ def test_the_default_model_agrees_with_float32_teacher_forced(model_dir: Path, t
 
     ref = teacher_forced(load_model(model_dir, config, "auto", "cpu", seed=None), config, windows)
     model = load_model(model_dir, config, "auto", "cpu", seed=None, quantization="gguf", cpu_ops=ops)
-    assert bind_cpu_ops(model, ops) == {"LlamaAttention": 30, "SiluAndMulMLP": 30, "RMSNorm": 61, "q8_lm_head": 1}
+    stack = {"decode_stack": 1} if ops.q4_linear_vnni() else {}  # q4q8 linears: the layers fuse into one call
+    assert bind_cpu_ops(model, ops) == {"LlamaAttention": 30, "SiluAndMulMLP": 30, "RMSNorm": 61, "q8_lm_head": 1, **stack}
     top1, dlogprob = agreement(teacher_forced(model, config, windows), ref)
     print(f"default vs float32 over {len(ids)} tokens: top-1 {top1:.3f}, mean |delta logprob| {dlogprob:.4f}")
     assert top1 >= 0.98 and dlogprob <= 0.015, (top1, dlogprob)
@@ -103,4 +104,38 @@ def test_an_engine_with_no_flags_serves_the_default_mode(make_engine: Any, token
         assert (model.logits_processor.q8.vnni is not None) == ops.q4_linear_vnni()
     out = engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
     assert "Paris" in out["text"], out["text"]
+    assert_all_memory_free(engine)
+
+
+def test_the_fused_decode_stack_gives_every_decode_step_the_module_paths_bits(make_engine: Any) -> None:
+    """kernels/cpu/decode_stack.cpp runs a decode batch's 30 layers in one call: each step
+    of a staggered batch (sizes 1..5, one request finishing at a time) is run both ways."""
+    engine = make_engine(dtype="auto", quantization="auto", max_running_requests=8)
+    model, runner = engine.worker.model, engine.worker
+    ops = load_cpu_ops()
+    if ops is None or not ops.q4_linear_vnni():  # no q4q8 linears: the module path only
+        assert model.model.decode_stack is None
+        return
+    assert model.model.decode_stack is not None
+    inner, steps = runner.forward_logits, []
+
+    def both_ways(fb: Any) -> torch.Tensor:
+        fused = inner(fb)
+        if fb.forward_mode.is_decode():
+            stack, model.model.decode_stack = model.model.decode_stack, None
+            try:
+                steps.append((fb.batch_size, torch.equal(fused, inner(fb))))  # rewrites the same K/V
+            finally:
+                model.model.decode_stack = stack
+        return fused
+
+    runner.forward_logits = both_ways
+    try:
+        prompts = [[1000 + 13 * i + j for j in range(20 + 9 * i)] for i in range(5)]
+        outs = engine.generate(prompts, [{"max_new_tokens": 3 + 2 * i, "temperature": 0, "ignore_eos": True} for i in range(5)])
+    finally:
+        del runner.forward_logits
+    assert [len(o["output_ids"]) for o in outs] == [3, 5, 7, 9, 11]
+    assert all(same for _, same in steps), steps
+    assert {size for size, _ in steps} >= {1, 2, 5}, steps
     assert_all_memory_free(engine)

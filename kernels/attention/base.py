@@ -63,6 +63,12 @@ class AttentionBackend(Protocol):
     def init_forward_metadata(self, fb: AttentionBatch) -> None:
         """Plan once per batch; `forward` reuses the plan for every layer."""
 
+    def paged_decode_plan(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(kv_idx [n, max_len], lens [n])` where this batch's attention is, for every
+        layer, the CPU kernel `paged_decode` over them (an all-decode batch); else None.
+        A caller that runs the layers itself (kernels/cpu/decode_stack.cpp) needs it."""
+        ...
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float, fb: AttentionBatch
     ) -> torch.Tensor:

@@ -208,6 +208,9 @@ class FlashInferBackend:
         self.active = wrapper
 
     # ---- AttentionBackend --------------------------------------------------------------
+    def paged_decode_plan(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None  # a CPU kernel's plan; this backend's decode is FlashInfer's
+
     def init_forward_metadata(self, fb: AttentionBatch) -> None:
         self._bind_pool(fb.kv_pool)
         indptr, last = paged_kv_layout(torch.tensor(fb.seq_lens_cpu, dtype=torch.int32), self.page_size)

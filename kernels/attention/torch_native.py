@@ -108,6 +108,12 @@ class TorchNativeBackend:
                 mask = torch.arange(prefix + length, device=device)[None, :] <= q_pos
             self._extends.append(_ExtendItem(starts[i], length, kv_idx, mask))
 
+    def paged_decode_plan(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        plan = self._decode
+        if self._ops is None or plan is None or not self._all_decode or plan.kv_idx.device.type != "cpu":
+            return None  # (deterministic inference plans per query: _decode is None there)
+        return plan.kv_idx, plan.lens
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float, fb: AttentionBatch
     ) -> torch.Tensor:

@@ -9,6 +9,7 @@ One extension, `sluice_cpu_ops`, from every .cpp in this directory:
                     a decoder layer's row-wise ops in one pass each
   q8_linear.cpp     float32 x int8-block matmul (the GGUF's Q8_0 LM head)
   q4_linear.cpp     Q4-block weights x int8-block activations on AVX512-VNNI (gguf linears)
+  decode_stack.cpp  a decode batch's decoder layers in one call, from the kernels above
   spin_pool.h       the kernels' threads: they spin between the calls of a step, where
                     OpenMP's, with two teams in the process, sleep and must be woken
 
@@ -58,6 +59,10 @@ class CpuOps(Protocol):
     def store_kv(self, k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
     def cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
+
+    # `DecodeStack(per_layer, final_norm, cos_sin_cache, num_heads, num_kv_heads, head_dim, scale, eps)`:
+    # a class (runtime/models/cpu_path.py FusedDecodeStack builds and calls it)
+    DecodeStack: Callable[..., object]
 
     def q8_linear(self, x: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> torch.Tensor: ...
 

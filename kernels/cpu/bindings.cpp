@@ -15,7 +15,10 @@ bool q4_linear_vnni();
 at::Tensor q4_linear(at::Tensor x, at::Tensor packed);
 at::Tensor q8_linear_vnni(at::Tensor x, at::Tensor packed);
 
+void bind_decode_stack(py::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_decode_stack(m);
   m.def("paged_attention", &paged_attention, "paged attention, one query token at a time (CPU)");
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("rms_norm", &rms_norm, "weight * rms_norm(x)");

@@ -251,6 +251,10 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Te
   q = q.contiguous();
   kv_idx = kv_idx.to(at::kLong).contiguous();
   lens = lens.to(at::kLong).contiguous();
+  TORCH_CHECK(kv_idx.dim() == 2 && kv_idx.size(0) == q.size(0) && lens.numel() == q.size(0), "one kv_idx row and len per query");
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < q.size(0); ++i)
+    TORCH_CHECK(lp[i] >= 1 && lp[i] <= kv_idx.size(1), "lens[", i, "] = ", lp[i], " outside [1, ", kv_idx.size(1), "]");
   auto out = at::empty_like(q);
 #if defined(CPU_CAPABILITY_AVX512)
   const int64_t D = q.size(2), G = q.size(1) / k_buf.size(1);

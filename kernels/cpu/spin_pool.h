@@ -55,7 +55,7 @@ class SpinPool {
 
   // f over [0, n) in up to `max_chunks` chunks (one per thread at most).
   void run(int64_t n, const std::function<void(int64_t, int64_t)>& f, int64_t max_chunks = INT64_MAX) {
-    const int t = static_cast<int>(std::min<int64_t>({threads_, n, max_chunks}));
+    const int t = static_cast<int>(std::min<int64_t>({threads_, n, max_chunks, 0xffff}));
     if (t <= 1) {
       if (n > 0) f(0, n);
       return;
@@ -65,12 +65,11 @@ class SpinPool {
     // succeeds on this job's ticket sees them, and they stay until its chunk is done.
     job_ = &f;
     n_ = n;
-    chunks_ = t;
     done_.store(0, std::memory_order_relaxed);
     const uint64_t job = (ticket_.load(std::memory_order_relaxed) >> 32) + 1;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      ticket_.store(job << 32, std::memory_order_release);
+      ticket_.store(job << 32 | static_cast<uint64_t>(t) << 16, std::memory_order_release);
     }
     cv_.notify_all();
     work(job);
@@ -82,19 +81,21 @@ class SpinPool {
   // between two kernels of a step, far shorter than the scheduler's gap between steps.
   static constexpr auto kSpin = std::chrono::microseconds(200);
   static constexpr auto kPause = std::chrono::microseconds(20);
-  static constexpr uint64_t kIndex = 0xffffffffu;
 
   explicit SpinPool(int threads) : threads_(threads), pid_(getpid()) {
     for (int i = 1; i < threads; ++i) std::thread([this] { loop(); }).detach();
   }
 
-  // Claim and run chunks of job `job` until none is left.
+  // Claim and run chunks of job `job` until none is left. The ticket carries the job's
+  // chunk count, so a claim is checked against its own job in the one compare-exchange:
+  // a late helper can never claim past a finished job's last chunk (whose fields the
+  // caller may be overwriting for the next).
   void work(uint64_t job) {
     uint64_t ticket = ticket_.load(std::memory_order_acquire);
-    while ((ticket >> 32) == job && static_cast<int64_t>(ticket & kIndex) < chunks_) {
+    while ((ticket >> 32) == job && (ticket & 0xffff) < ((ticket >> 16) & 0xffff)) {
       if (!ticket_.compare_exchange_weak(ticket, ticket + 1, std::memory_order_acq_rel)) continue;
-      const int64_t i = static_cast<int64_t>(ticket & kIndex);
-      (*job_)(n_ * i / chunks_, n_ * (i + 1) / chunks_);
+      const int64_t i = static_cast<int64_t>(ticket & 0xffff), chunks = static_cast<int64_t>((ticket >> 16) & 0xffff);
+      (*job_)(n_ * i / chunks, n_ * (i + 1) / chunks);
       done_.fetch_add(1, std::memory_order_release);
       ticket = ticket_.load(std::memory_order_acquire);
     }
@@ -138,10 +139,10 @@ class SpinPool {
   const pid_t pid_;
   std::mutex mu_, running_;
   std::condition_variable cv_;
-  std::atomic<uint64_t> ticket_{0};  // (job << 32) | next unclaimed chunk
+  std::atomic<uint64_t> ticket_{0};  // job << 32 | chunks << 16 | next unclaimed chunk
   std::atomic<int> done_{0};         // chunks of the current job finished
   const std::function<void(int64_t, int64_t)>* job_ = nullptr;
-  int64_t n_ = 0, chunks_ = 0;
+  int64_t n_ = 0;
   bool stopping_ = false;
 };
 

@@ -6,6 +6,10 @@ as exact Q8 blocks. Each such layer holds `ops = None` until then and runs its t
 code; with ops bound it runs the kernel, with the same numerics (math in float32,
 the same roundings to the model dtype).
 
+`FusedDecodeStack` then takes a decode batch's whole decoder stack into one C++ call
+where every layer is on that path with Q4-block linears (the default CPU mode): the same
+kernels in the same order, without the Python between them.
+
 `make_batch_invariant` is `--enable-deterministic-inference` on the model side:
 float matmuls run in fixed row blocks (runtime/layers/batch_invariant.py); the
 attention side is the backend's (kernels/attention/torch_native.py).
@@ -13,18 +17,21 @@ attention side is the backend's (kernels/attention/torch_native.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast
 
+import torch
 from torch import nn
+
+from kernels.attention.base import AttentionBatch
 
 from runtime.layers.activation import SiluAndMulMLP
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import LinearBase
 from runtime.layers.logits_processor import LogitsProcessor
 from runtime.layers.quantization import linear_layers
-from runtime.layers.quantization.q4q8 import Q4Q8LinearMethod
+from runtime.layers.quantization.q4q8 import DENSE_MIN_ROWS, Q4Q8LinearMethod
 from runtime.layers.quantization.q8 import pack_q8_exact, pack_q8_vnni
-from runtime.models.llama import LlamaAttention, LlamaForCausalLM
+from runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 
 if TYPE_CHECKING:
     from kernels.cpu import CpuOps
@@ -49,7 +56,68 @@ def bind_cpu_ops(model: nn.Module, ops: CpuOps) -> dict[str, int]:
             # (q4q8 layers exist only where the CPU has VNNI)
             if any(isinstance(layer.quant_method, Q4Q8LinearMethod) for layer in linear_layers(model)):
                 processor.q8 = processor.q8._replace(vnni=pack_q8_vnni(processor.q8))
+        if FusedDecodeStack.fits(model.model):
+            model.model.decode_stack = FusedDecodeStack(model.model, ops)
+            bound["decode_stack"] = 1
     return bound
+
+
+class FusedDecodeStack:
+    """`LlamaModel`'s decoder layers for an all-decode batch as one `ops.DecodeStack` call.
+
+    Only where that call is exactly the module path (`fits`): every linear q4q8 without
+    bias, no q/k norm, one rank, float32 activations; and per batch only while the layers'
+    bfloat16 copies would not take it (fewer than DENSE_MIN_ROWS rows) and the attention
+    backend runs `paged_decode` for every token. The KV pool is made after the model: its
+    buffers are bound on the first call with it."""
+
+    def __init__(self, model: LlamaModel, ops: CpuOps) -> None:
+        self.model, self.ops = model, ops
+        self._stack: object | None = None
+        self._k0: torch.Tensor | None = None  # the pool the stack is bound to (its layer-0 K buffer)
+
+    @staticmethod
+    def fits(model: LlamaModel) -> bool:
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if attn.q_norm is not None or attn.ops is None or attn.qkv_proj.tp_size != 1:
+                return False
+            if any(not isinstance(m.quant_method, Q4Q8LinearMethod) or m.bias is not None for m in linears):
+                return False
+        return model.embed_tokens.weight.dtype == torch.float32 and len(model.layers) > 0
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, fb: AttentionBatch) -> torch.Tensor | None:
+        """The final norm's output, or None where the module path must run."""
+        plan = fb.attn_backend.paged_decode_plan()
+        if plan is None or h.shape[0] >= DENSE_MIN_ROWS or h.dtype != torch.float32:
+            return None
+        pool = fb.kv_pool
+        if self._stack is None or self._k0 is not pool.k_buffer[0]:
+            self._stack, self._k0 = self._build(pool.k_buffer, pool.v_buffer), pool.k_buffer[0]
+        kv_idx, lens = plan
+        stack = cast(_Stack, self._stack)
+        return stack.forward(h, positions, fb.out_cache_loc, kv_idx, lens)
+
+    def _build(self, k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor]) -> object:
+        per_layer: list[torch.Tensor] = []
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            per_layer += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            per_layer += [cast(torch.Tensor, m.q4_weight) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            per_layer += [k_buffer[i], v_buffer[i]]
+        first = self.model.layers[0]
+        attn = first.self_attn
+        return self.ops.DecodeStack(
+            per_layer, self.model.norm.weight, self.model.rotary_emb.cos_sin_cache,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scaling, first.input_layernorm.eps,
+        )  # fmt: skip
+
+
+class _Stack(Protocol):
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor, kv_idx: torch.Tensor, lens: torch.Tensor
+    ) -> torch.Tensor: ...
 
 
 def make_batch_invariant(model: nn.Module) -> None:

@@ -12,7 +12,7 @@ slice of the MLP intermediate and of the vocab; each decoder layer all-reduces t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -112,9 +112,14 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.context_len, rope_parameters(hf))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, **attn_flags) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
+        # The layers of a decode batch in one C++ call, or None (the module path) for a batch
+        # it does not take; set by runtime.models.cpu_path.bind_cpu_ops.
+        self.decode_stack: Callable[[torch.Tensor, torch.Tensor, AttentionBatch], torch.Tensor | None] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: AttentionBatch) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        if self.decode_stack is not None and (out := self.decode_stack(h, positions, fb)) is not None:
+            return out
         rope = self.rotary_emb(positions)
         residual: torch.Tensor | None = None
         for layer in self.layers:
