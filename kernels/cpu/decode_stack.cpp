@@ -97,5 +97,5 @@ void bind_decode_stack(py::module& m) {
            py::arg("per_layer"), py::arg("final_norm"), py::arg("cos_sin_cache"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"))
       .def("forward", &DecodeStack::forward, py::arg("h"), py::arg("positions"), py::arg("loc"), py::arg("kv_idx"),
-           py::arg("lens"));
+           py::arg("lens"), py::call_guard<py::gil_scoped_release>());
 }
