@@ -1,19 +1,7 @@
 // The Python module of the CPU kernels: one extension built from every .cpp here.
 #include <torch/extension.h>
 
-at::Tensor paged_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_idx, at::Tensor token_req,
-                           at::Tensor lens, double scale);
-at::Tensor paged_decode(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_idx, at::Tensor lens, double scale);
-at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
-at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
-void rotary_(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin_cache, int64_t heads, int64_t head_dim);
-at::Tensor silu_mul(at::Tensor gate_up);
-void store_kv(at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc, at::Tensor k, at::Tensor v);
-at::Tensor cast(at::Tensor x, at::ScalarType dtype);
-at::Tensor q8_linear(at::Tensor x, at::Tensor qw, at::Tensor scales);
-bool q4_linear_vnni();
-at::Tensor q4_linear(at::Tensor x, at::Tensor packed);
-at::Tensor q8_linear_vnni(at::Tensor x, at::Tensor packed);
+#include "ops.h"
 
 void bind_decode_stack(py::module& m);
 

@@ -19,13 +19,7 @@
 
 #include <vector>
 
-at::Tensor paged_decode(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_idx, at::Tensor lens, double scale);
-at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
-at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
-void rotary_(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin_cache, int64_t heads, int64_t head_dim);
-at::Tensor silu_mul(at::Tensor gate_up);
-void store_kv(at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc, at::Tensor k, at::Tensor v);
-at::Tensor q4_linear(at::Tensor x, at::Tensor packed);
+#include "ops.h"
 
 namespace {
 

@@ -47,18 +47,28 @@ inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t 
   for (int64_t j = 0; j < n; ++j) out[j] = static_cast<uint32_t>(bits[j]) << 16;
 }
 
+// One call's shapes and pointers (q [n, Hq, D], the pool's [slots, Hkv, D] rows of `row`
+// values, kv_idx [n, max_len], lens [n], out like q), for either kernel below.
 template <typename T, typename KT>
-static void decode_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                          const at::Tensor& kv_idx, const at::Tensor& lens, double scale, at::Tensor& out) {
-  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
-  const int64_t G = Hq / Hkv, max_len = kv_idx.size(1), row = Hkv * D;
-  const T* qp = q.data_ptr<T>();
-  const KT* kp = k_buf.data_ptr<KT>();
-  const KT* vp = v_buf.data_ptr<KT>();
-  const int64_t* ip = kv_idx.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
+struct Decode {
+  int64_t n, Hq, D, Hkv, G, max_len, row;
+  const T* qp;
+  const KT *kp, *vp;
+  const int64_t *ip, *lp;
+  T* op;
+  float fscale;
+
+  Decode(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& kv_idx,
+         const at::Tensor& lens, double scale, at::Tensor& out)
+      : n(q.size(0)), Hq(q.size(1)), D(q.size(2)), Hkv(k_buf.size(1)), G(Hq / Hkv), max_len(kv_idx.size(1)),
+        row(Hkv * D), qp(q.data_ptr<T>()), kp(k_buf.data_ptr<KT>()), vp(v_buf.data_ptr<KT>()),
+        ip(kv_idx.data_ptr<int64_t>()), lp(lens.data_ptr<int64_t>()), op(out.data_ptr<T>()),
+        fscale(static_cast<float>(scale)) {}
+};
+
+template <typename T, typename KT>
+static void decode_kernel(const Decode<T, KT>& a) {
+  const auto [n, Hq, D, Hkv, G, max_len, row, qp, kp, vp, ip, lp, op, fscale] = a;
 
   sluice::parallel_for(n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(Hq * D), acc(Hq * D), scores, rf(row), inv_sum(Hq);
@@ -183,17 +193,8 @@ void decode_span(const float* qf, const KT* kp, const KT* vp, const int64_t* idx
 }
 
 template <typename T, typename KT>
-void decode_avx512(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& kv_idx,
-                   const at::Tensor& lens, double scale, at::Tensor& out) {
-  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
-  const int64_t G = Hq / Hkv, max_len = kv_idx.size(1), row = Hkv * D;
-  const T* qp = q.data_ptr<T>();
-  const KT* kp = k_buf.data_ptr<KT>();
-  const KT* vp = v_buf.data_ptr<KT>();
-  const int64_t* ip = kv_idx.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
+void decode_avx512(const Decode<T, KT>& a) {
+  const auto [n, Hq, D, Hkv, G, max_len, row, qp, kp, vp, ip, lp, op, fscale] = a;
   int64_t longest = 0;
   for (int64_t i = 0; i < n; ++i) longest = std::max(longest, lp[i]);
   // Spans per (sequence, kv head): enough items for every thread, none under kMinSpan.
@@ -261,22 +262,22 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Te
   if (D % 16 == 0 && G * (D / 16) <= kMaxVecs && q.size(0) > 0) {
     const auto qt = q.scalar_type(), kt = k_buf.scalar_type();
     bool done = true;
-    if (qt == at::kFloat && kt == at::kFloat) decode_avx512<float, float>(q, k_buf, v_buf, kv_idx, lens, scale, out);
-    else if (qt == at::kFloat && kt == at::kBFloat16) decode_avx512<float, at::BFloat16>(q, k_buf, v_buf, kv_idx, lens, scale, out);
-    else if (qt == at::kFloat && kt == at::kHalf) decode_avx512<float, at::Half>(q, k_buf, v_buf, kv_idx, lens, scale, out);
-    else if (qt == at::kBFloat16 && kt == at::kBFloat16) decode_avx512<at::BFloat16, at::BFloat16>(q, k_buf, v_buf, kv_idx, lens, scale, out);
-    else if (qt == at::kHalf && kt == at::kHalf) decode_avx512<at::Half, at::Half>(q, k_buf, v_buf, kv_idx, lens, scale, out);
+    if (qt == at::kFloat && kt == at::kFloat) decode_avx512(Decode<float, float>(q, k_buf, v_buf, kv_idx, lens, scale, out));
+    else if (qt == at::kFloat && kt == at::kBFloat16) decode_avx512(Decode<float, at::BFloat16>(q, k_buf, v_buf, kv_idx, lens, scale, out));
+    else if (qt == at::kFloat && kt == at::kHalf) decode_avx512(Decode<float, at::Half>(q, k_buf, v_buf, kv_idx, lens, scale, out));
+    else if (qt == at::kBFloat16 && kt == at::kBFloat16) decode_avx512(Decode<at::BFloat16, at::BFloat16>(q, k_buf, v_buf, kv_idx, lens, scale, out));
+    else if (qt == at::kHalf && kt == at::kHalf) decode_avx512(Decode<at::Half, at::Half>(q, k_buf, v_buf, kv_idx, lens, scale, out));
     else done = false;  // float64: the plain loop
     if (done) return out;
   }
 #endif
   if (k_buf.scalar_type() == at::kBFloat16 && narrow_kv) {
-    decode_kernel<float, at::BFloat16>(q, k_buf, v_buf, kv_idx, lens, scale, out);
+    decode_kernel(Decode<float, at::BFloat16>(q, k_buf, v_buf, kv_idx, lens, scale, out));
   } else if (k_buf.scalar_type() == at::kHalf && narrow_kv) {
-    decode_kernel<float, at::Half>(q, k_buf, v_buf, kv_idx, lens, scale, out);
+    decode_kernel(Decode<float, at::Half>(q, k_buf, v_buf, kv_idx, lens, scale, out));
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-      decode_kernel<scalar_t, scalar_t>(q, k_buf, v_buf, kv_idx, lens, scale, out);
+      decode_kernel(Decode<scalar_t, scalar_t>(q, k_buf, v_buf, kv_idx, lens, scale, out));
     });
   }
   return out;
