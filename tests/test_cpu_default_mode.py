@@ -47,6 +47,7 @@ def test_auto_gives_a_gguf_model_on_cpu_a_float16_kv_cache(model_dir: Path) -> N
     assert kv() == "float16"  # half the bytes of every decode step's KV read, as llama.cpp's default
     assert kv(kv_cache_dtype="float32") == "float32"  # an explicit dtype stays
     assert kv(quantization="none", dtype="float32") == "auto"  # the HF-oracle mode keeps the model dtype
+    assert kv(dtype="bfloat16") == "auto"  # a bfloat16 model keeps its own dtype's cache
 
 
 def test_auto_leaves_other_models_and_setups_unquantized(model_dir: Path, tmp_path: Path) -> None:

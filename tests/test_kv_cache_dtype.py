@@ -44,6 +44,20 @@ def test_cpu_paged_decode_kernel_matches_sdpa(kv_dtype: torch.dtype) -> None:
     torch.testing.assert_close(ours, _reference_decode(q, k_buf, v_buf, idx, lens), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("q_dtype", "kv_dtype"), [(torch.bfloat16, torch.float16), (torch.bfloat16, torch.float32)])
+def test_cpu_paged_decode_takes_a_cache_of_another_dtype_than_a_16_bit_q(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    kernel = load_paged_decode()
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(2)
+    k_buf, v_buf = (torch.randn(300, 3, 64, generator=gen).to(kv_dtype) for _ in range(2))
+    idx = torch.randperm(300, generator=gen)[:90].view(2, 45)
+    q = torch.randn(2, 9, 64, generator=gen).to(q_dtype)
+    ours = kernel(q, k_buf, v_buf, idx, torch.tensor([45, 20]), 0.125)
+    assert ours.dtype == q_dtype  # computed in float32 over the cache as it is, rounded once
+    ref = _reference_decode(q.float(), k_buf, v_buf, idx, [45, 20])
+    torch.testing.assert_close(ours, ref.to(q_dtype), atol=1e-2, rtol=1e-2)
+
+
 # One long sequence (its positions split into spans over the threads, then merged), a
 # short one (too short to split), other head layouts (MHA; 4 q heads per kv head; D 128,
 # 32, 48), and a float64 q (the plain loop).

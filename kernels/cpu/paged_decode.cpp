@@ -246,7 +246,8 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Te
   TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type(), "K and V buffers differ in dtype");
   const bool narrow_kv = q.scalar_type() == at::kFloat &&
                          (k_buf.scalar_type() == at::kBFloat16 || k_buf.scalar_type() == at::kHalf);
-  TORCH_CHECK(q.scalar_type() == k_buf.scalar_type() || narrow_kv, "unsupported q/KV dtype pair");
+  if (q.scalar_type() != k_buf.scalar_type() && !narrow_kv)  // e.g. a bfloat16 model over a float16 cache
+    return paged_decode(q.to(at::kFloat), k_buf, v_buf, kv_idx, lens, scale).to(q.scalar_type());
   TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous(), "KV buffers must be contiguous");
   TORCH_CHECK(q.size(1) % k_buf.size(1) == 0, "Hq must be a multiple of Hkv");
   q = q.contiguous();

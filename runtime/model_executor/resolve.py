@@ -70,8 +70,7 @@ def resolve_quantization_and_dtype(
     Q4/Q8 blocks (gguf): the fastest decode that keeps >= 99% top-1 agreement with the
     float32 model (bench items 11, 16), and with it float32 for everything else
     (residual stream, attention, the LM head as exact Q8 blocks; the KV cache float16,
-    below): bfloat16 there
-    drops agreement to 98.2% (item 11). Anything else (an HF directory, dummy weights,
+    below): bfloat16 there drops agreement to 98.2% (item 11). Anything else (an HF directory, dummy weights,
     CUDA, tensor parallelism, where gguf was neither measured nor is faster) runs
     unquantized in the dtype `resolve_dtype` picks from the CPU's flags or the GPU.
     """
@@ -91,7 +90,7 @@ def resolve_quantization_and_dtype(
         dtype = resolve_dtype(settings.dtype, device)
     log.info("quantization resolved", quantization=quant, setting=setting, reason=reason)
     settings = dataclasses.replace(settings, quantization=quant)
-    if settings.kv_cache_dtype == "auto" and quant == "gguf" and device == "cpu":
+    if settings.kv_cache_dtype == "auto" and quant == "gguf" and device == "cpu" and dtype == torch.float32:
         # A decode step at 16 streams of 130 tokens read more KV (96 MB in float32) than
         # weights; float16 halves it at no measured agreement cost (bench/RESULTS.md item 18).
         settings = dataclasses.replace(settings, kv_cache_dtype="float16")
