@@ -31,7 +31,7 @@ from runtime.layers.logits_processor import LogitsProcessor
 from runtime.layers.quantization import linear_layers
 from runtime.layers.quantization.q4q8 import DENSE_MIN_ROWS, Q4Q8LinearMethod
 from runtime.layers.quantization.q8 import pack_q8_exact, pack_q8_vnni
-from runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
+from runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 if TYPE_CHECKING:
     from kernels.cpu import CpuOps
@@ -62,6 +62,16 @@ def bind_cpu_ops(model: nn.Module, ops: CpuOps) -> dict[str, int]:
     return bound
 
 
+def _layers(model: LlamaModel) -> list[LlamaDecoderLayer]:
+    return cast(list[LlamaDecoderLayer], list(model.layers))
+
+
+class _Stack(Protocol):  # kernels/cpu/decode_stack.cpp's DecodeStack
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor, kv_idx: torch.Tensor, lens: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
 class FusedDecodeStack:
     """`LlamaModel`'s decoder layers for an all-decode batch as one `ops.DecodeStack` call.
 
@@ -73,12 +83,12 @@ class FusedDecodeStack:
 
     def __init__(self, model: LlamaModel, ops: CpuOps) -> None:
         self.model, self.ops = model, ops
-        self._stack: object | None = None
+        self._stack: _Stack | None = None
         self._k0: torch.Tensor | None = None  # the pool the stack is bound to (its layer-0 K buffer)
 
     @staticmethod
     def fits(model: LlamaModel) -> bool:
-        for layer in model.layers:
+        for layer in _layers(model):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if attn.q_norm is not None or attn.ops is None or attn.qkv_proj.tp_size != 1:
@@ -96,28 +106,22 @@ class FusedDecodeStack:
         if self._stack is None or self._k0 is not pool.k_buffer[0]:
             self._stack, self._k0 = self._build(pool.k_buffer, pool.v_buffer), pool.k_buffer[0]
         kv_idx, lens = plan
-        stack = cast(_Stack, self._stack)
-        return stack.forward(h, positions, fb.out_cache_loc, kv_idx, lens)
+        return self._stack.forward(h, positions, fb.out_cache_loc, kv_idx, lens)
 
-    def _build(self, k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor]) -> object:
+    def _build(self, k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor]) -> _Stack:
         per_layer: list[torch.Tensor] = []
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(_layers(self.model)):
             attn, mlp = layer.self_attn, layer.mlp
             per_layer += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             per_layer += [cast(torch.Tensor, m.q4_weight) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             per_layer += [k_buffer[i], v_buffer[i]]
-        first = self.model.layers[0]
+        first = _layers(self.model)[0]
         attn = first.self_attn
-        return self.ops.DecodeStack(
+        return cast(_Stack, self.ops.DecodeStack(
             per_layer, self.model.norm.weight, self.model.rotary_emb.cos_sin_cache,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scaling, first.input_layernorm.eps,
-        )  # fmt: skip
+        ))  # fmt: skip
 
-
-class _Stack(Protocol):
-    def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor, kv_idx: torch.Tensor, lens: torch.Tensor
-    ) -> torch.Tensor: ...
 
 
 def make_batch_invariant(model: nn.Module) -> None:
