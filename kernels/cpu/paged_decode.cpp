@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 // Widen one K/V row to float. bfloat16 is the high half of a float: a shift the
@@ -217,13 +218,14 @@ void decode_avx512(const Decode<T, KT>& a) {
     }
   });
   // Merge the spans of each (sequence, query head): rescale to the common max.
+  std::vector<float> o(D);
   for (int64_t ih = 0; ih < n * Hkv; ++ih) {
     const float* first = parts.data() + ih * spans * stride;
     for (int64_t g = 0; g < G; ++g) {
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t s = 0; s < spans; ++s) m = std::max(m, first[s * stride + g * (D + 2)]);
       float sum = 0.f;
-      std::vector<float> o(D, 0.f);
+      std::fill(o.begin(), o.end(), 0.f);
       for (int64_t s = 0; s < spans; ++s) {
         const float* p = first + s * stride + g * (D + 2);
         if (p[0] == -std::numeric_limits<float>::infinity()) continue;
@@ -240,6 +242,18 @@ void decode_avx512(const Decode<T, KT>& a) {
 
 }  // namespace
 #endif
+
+// The AVX-512 kernel where its registers fit the heads (and the values are not float64),
+// else the plain loop.
+template <typename T, typename KT>
+void decode(const Decode<T, KT>& a) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (!std::is_same_v<KT, double>) {
+    if (a.D % 16 == 0 && a.G * (a.D / 16) <= kMaxVecs) return decode_avx512(a);
+  }
+#endif
+  decode_kernel(a);
+}
 
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_idx, at::Tensor lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3, "q, k_buf, v_buf must be 3-D");
@@ -258,27 +272,14 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Te
   for (int64_t i = 0; i < q.size(0); ++i)
     TORCH_CHECK(lp[i] >= 1 && lp[i] <= kv_idx.size(1), "lens[", i, "] = ", lp[i], " outside [1, ", kv_idx.size(1), "]");
   auto out = at::empty_like(q);
-#if defined(CPU_CAPABILITY_AVX512)
-  const int64_t D = q.size(2), G = q.size(1) / k_buf.size(1);
-  if (D % 16 == 0 && G * (D / 16) <= kMaxVecs && q.size(0) > 0) {
-    const auto qt = q.scalar_type(), kt = k_buf.scalar_type();
-    bool done = true;
-    if (qt == at::kFloat && kt == at::kFloat) decode_avx512(Decode<float, float>(q, k_buf, v_buf, kv_idx, lens, scale, out));
-    else if (qt == at::kFloat && kt == at::kBFloat16) decode_avx512(Decode<float, at::BFloat16>(q, k_buf, v_buf, kv_idx, lens, scale, out));
-    else if (qt == at::kFloat && kt == at::kHalf) decode_avx512(Decode<float, at::Half>(q, k_buf, v_buf, kv_idx, lens, scale, out));
-    else if (qt == at::kBFloat16 && kt == at::kBFloat16) decode_avx512(Decode<at::BFloat16, at::BFloat16>(q, k_buf, v_buf, kv_idx, lens, scale, out));
-    else if (qt == at::kHalf && kt == at::kHalf) decode_avx512(Decode<at::Half, at::Half>(q, k_buf, v_buf, kv_idx, lens, scale, out));
-    else done = false;  // float64: the plain loop
-    if (done) return out;
-  }
-#endif
+  if (q.size(0) == 0) return out;
   if (k_buf.scalar_type() == at::kBFloat16 && narrow_kv) {
-    decode_kernel(Decode<float, at::BFloat16>(q, k_buf, v_buf, kv_idx, lens, scale, out));
+    decode(Decode<float, at::BFloat16>(q, k_buf, v_buf, kv_idx, lens, scale, out));
   } else if (k_buf.scalar_type() == at::kHalf && narrow_kv) {
-    decode_kernel(Decode<float, at::Half>(q, k_buf, v_buf, kv_idx, lens, scale, out));
+    decode(Decode<float, at::Half>(q, k_buf, v_buf, kv_idx, lens, scale, out));
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-      decode_kernel(Decode<scalar_t, scalar_t>(q, k_buf, v_buf, kv_idx, lens, scale, out));
+      decode(Decode<scalar_t, scalar_t>(q, k_buf, v_buf, kv_idx, lens, scale, out));
     });
   }
   return out;

@@ -70,9 +70,10 @@ def resolve_quantization_and_dtype(
     Q4/Q8 blocks (gguf): the fastest decode that keeps >= 99% top-1 agreement with the
     float32 model (bench items 11, 16), and with it float32 for everything else
     (residual stream, attention, the LM head as exact Q8 blocks; the KV cache float16,
-    below): bfloat16 there drops agreement to 98.2% (item 11). Anything else (an HF directory, dummy weights,
-    CUDA, tensor parallelism, where gguf was neither measured nor is faster) runs
-    unquantized in the dtype `resolve_dtype` picks from the CPU's flags or the GPU.
+    below): bfloat16 there drops agreement to 98.2% (item 11). Anything else (an HF
+    directory, dummy weights, CUDA, tensor parallelism, where gguf was neither measured
+    nor is faster) runs unquantized in the dtype `resolve_dtype` picks from the CPU's
+    flags or the GPU.
     """
     setting = settings.quantization
     quant: QuantizationName

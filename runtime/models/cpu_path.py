@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from kernels.attention.base import AttentionBatch
-
 from runtime.layers.activation import SiluAndMulMLP
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import LinearBase
@@ -100,7 +99,7 @@ class FusedDecodeStack:
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, fb: AttentionBatch) -> torch.Tensor | None:
         """The final norm's output, or None where the module path must run."""
         plan = fb.attn_backend.paged_decode_plan()
-        if plan is None or h.shape[0] >= DENSE_MIN_ROWS or h.dtype != torch.float32:
+        if plan is None or h.shape[0] >= DENSE_MIN_ROWS:  # (h is float32: `fits`)
             return None
         pool = fb.kv_pool
         if self._stack is None or self._k0 is not pool.k_buffer[0]:
@@ -121,7 +120,6 @@ class FusedDecodeStack:
             per_layer, self.model.norm.weight, self.model.rotary_emb.cos_sin_cache,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scaling, first.input_layernorm.eps,
         ))  # fmt: skip
-
 
 
 def make_batch_invariant(model: nn.Module) -> None:

@@ -17,8 +17,8 @@ layout (gguf_blocks.py) and hands the layer to the method that computes with it:
 
 so a layer is packed whole or float whole, and the float matrix of a packed one is
 never built. Where bfloat16 matmuls are native (AMX / AVX512-BF16), a packed layer
-also keeps its weight in bfloat16 (`dense_weight`), which batches of 24 (q4q8: 32) rows or more
-(prefill, large decode batches) run through instead: torch's int4 kernel is fastest
+also keeps its weight in bfloat16 (`dense_weight`), which batches of 24 (q4q8: 32) rows
+or more (prefill, large decode batches) run through instead: torch's int4 kernel is fastest
 at a few rows and grows linearly with them (int4.dense_matmul; +2 bytes a weight).
 """
 

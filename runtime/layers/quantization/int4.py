@@ -13,7 +13,6 @@ to bfloat16 in and the output back to the input dtype.
 from __future__ import annotations
 
 from collections.abc import Callable
-
 from typing import TYPE_CHECKING, ClassVar, NamedTuple, cast
 
 import torch

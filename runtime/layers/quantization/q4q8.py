@@ -37,7 +37,7 @@ LANES = 16  # output rows per packed block: one AVX-512 vector of outputs
 RECORD = 320  # bytes per (16 rows, 32 columns): 256 of nibbles, 32 of d, 32 of m
 # The bfloat16 copy (AMX / AVX512-BF16) catches up with the kernel at this many rows:
 # SmolLM2's 120 linears streamed from memory, 2 threads, took 10.2 / 14.7 / 19.2 ms at
-# 16 / 24 / 32 rows vs the copy's 18.4 / 19.2 / 19.8 (bench/RESULTS.md item 17); from
+# 16 / 24 / 32 rows vs the copy's 18.4 / 19.2 / 19.8 (bench/RESULTS.md item 18); from
 # there the copy wins, below it the exact kernel is faster too.
 DENSE_MIN_ROWS = 32
 
