@@ -121,6 +121,22 @@ def test_cast_rounds_as_torch_does(cpu_ops: CpuOps, dtype: torch.dtype) -> None:
     assert cpu_ops.cast(x, torch.float32) is x  # already that dtype: no copy
 
 
+@pytest.mark.parametrize("shape", [(1, 49152), (16, 49152), (3, 7), (2, 33), (1, 1)])
+def test_argmax_rows_answers_what_torch_argmax_answers(cpu_ops: CpuOps, shape: tuple[int, int]) -> None:
+    """The greedy sampler's argmax: the first maximum of each row, ties and NaN as torch."""
+    torch.manual_seed(0)
+    for trial in range(12):
+        x = torch.randn(*shape)
+        if trial % 3 == 1:
+            x = x.round()  # many ties for the maximum
+        if trial % 4 == 2:
+            x[0, torch.randint(shape[1], (1,))] = float("nan")
+        if trial % 4 == 3:
+            x[-1, -1] = x[-1].max()  # the maximum again at the very end
+        assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(dim=-1)), (shape, trial)
+    assert torch.equal(cpu_ops.argmax_rows(torch.ones(2, 40)), torch.zeros(2, dtype=torch.int64))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_row_ops_match_the_torch_code_they_replace(cpu_ops: CpuOps, dtype: torch.dtype) -> None:
     torch.manual_seed(0)

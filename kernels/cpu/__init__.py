@@ -60,6 +60,8 @@ class CpuOps(Protocol):
 
     def cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
 
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor: ...
+
     # `DecodeStack(per_layer, final_norm, cos_sin_cache, num_heads, num_kv_heads, head_dim, scale, eps)`:
     # a class (runtime/models/cpu_path.py FusedDecodeStack builds and calls it)
     DecodeStack: Callable[..., object]

@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "RoPE on the first heads of each row, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("cast", &cast, "x.to(dtype) on the kernels' threads");
+  m.def("argmax_rows", &argmax_rows, "logits.argmax(-1) of float32 rows (first maximum; NaN wins)");
   m.def("store_kv", &store_kv, "k_buf[loc] = k, v_buf[loc] = v (cast to the buffers' dtype)");
   m.def("q4_linear_vnni", &q4_linear_vnni, "q4_linear runs on AVX512-VNNI (else a scalar loop)");
   m.def("q4_linear", &q4_linear, "x @ W.T with W in Q4 blocks, x in int8 blocks of 32");

@@ -12,6 +12,7 @@ void rotary_(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin_cache, int
 at::Tensor silu_mul(at::Tensor gate_up);
 void store_kv(at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc, at::Tensor k, at::Tensor v);
 at::Tensor cast(at::Tensor x, at::ScalarType dtype);
+at::Tensor argmax_rows(at::Tensor logits);
 at::Tensor q8_linear(at::Tensor x, at::Tensor qw, at::Tensor scales);
 bool q4_linear_vnni();
 at::Tensor q4_linear(at::Tensor x, at::Tensor packed);

@@ -66,7 +66,7 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.device = torch.device(device)
         self.req_to_token = torch.zeros((num_rows, context_len), dtype=torch.int32, device=self.device)
-        self.sampler = Sampler(num_rows, vocab_size, self.device)
+        self.sampler = Sampler(num_rows, vocab_size, self.device, argmax_rows=cpu_ops.argmax_rows if cpu_ops is not None else None)
         self.futures: FutureMap | None = None
         self.graph_runner: CudaGraphRunner | None = None  # set by engine_setup on CUDA
         self.tp_channel: BatchChannel | None = None  # rank 0 of a tensor-parallel group

@@ -6,6 +6,7 @@ overlap the scheduler learns a token one round after the worker has used it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -69,8 +70,13 @@ class PenaltyState:
 
 
 class Sampler:
-    def __init__(self, num_rows: int, vocab_size: int, device: torch.device | str) -> None:
+    def __init__(
+        self, num_rows: int, vocab_size: int, device: torch.device | str, argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> None:
+        """`argmax_rows`: the CPU kernels' argmax of float32 rows (torch's took 62 us of a
+        bs 1 decode step, 500 us at bs 16); same answer, first maximum."""
         self.num_rows, self.vocab_size, self.device = num_rows, vocab_size, device
+        self.argmax_rows = argmax_rows
         self.penalties: PenaltyState | None = None  # allocated on first use
         self._bitmask: torch.Tensor | None = None  # grammar masks, int32 [rows, ceil(vocab / 32)]
 
@@ -88,7 +94,7 @@ class Sampler:
         if info.grammars is not None:
             self._mask(logits, info.grammars)
 
-        greedy = logits.argmax(dim=-1)
+        greedy = self.argmax_rows(logits) if self.argmax_rows is not None and logits.is_cpu else logits.argmax(dim=-1)
         if info.is_all_greedy:
             next_ids = greedy
         else:
