@@ -4,10 +4,10 @@ Method: the batch is submitted at once with `Engine.generate` (every request is
 queued before the scheduler's next round, so the batch is static), with the
 knobs set so the whole batch is prefilled in one forward (no chunking, a
 prefill budget of at least bs * input_len, max_running_requests >= bs) unless
-you set them yourself. The ModelRunner's `forward_batch_generation` is wrapped to
-time every forward on the worker thread (build ForwardBatch + model + sampling +
-the host sync): prefill latency is the extend forward(s), decode latency the
-median decode step of the full batch. "Engine" numbers add scheduling and
+you set them yourself. The ModelRunner's two step halves are wrapped to time every
+forward on the worker thread (build ForwardBatch + model + sampling + the host
+sync): prefill latency is the extend forward(s), decode latency the median decode
+step of the full batch. "Engine" numbers add scheduling and
 output processing: the batch's last first-token time (engine meta_info) and
 (total - that) / (output_len - 1) per step. A warm-up batch of the same shape
 runs first.
@@ -38,22 +38,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class ForwardTimer:
-    """Wraps runner.forward_batch_generation; records (mode, bs, tokens, seconds) per forward."""
+    """Wraps a host runner's two step halves (build_forward_batch, run_step); records
+    (mode, bs, tokens, seconds) per forward, from the first's start to the second's end."""
 
     def __init__(self, runner: Any) -> None:
         self.records: list[tuple[str, int, int, float]] = []
         self._lock = threading.Lock()
-        inner = runner.forward_batch_generation
+        self._start = threading.local()
+        build, run = runner.build_forward_batch, runner.run_step
 
-        def timed(mwb: Any) -> Any:
-            start = time.perf_counter()
-            out = inner(mwb)
-            elapsed = time.perf_counter() - start
+        def timed_build(mwb: Any) -> Any:
+            self._start.t = time.perf_counter()
+            return build(mwb)
+
+        def timed_run(fb: Any, mwb: Any) -> Any:
+            out = run(fb, mwb)
+            elapsed = time.perf_counter() - self._start.t
             with self._lock:
                 self.records.append((mwb.forward_mode.name, len(mwb.req_pool_indices), int(sum(mwb.extend_seq_lens)), elapsed))
             return out
 
-        runner.forward_batch_generation = timed  # the scheduler looks it up per launch
+        runner.build_forward_batch = timed_build  # the runner looks both up per step
+        runner.run_step = timed_run
 
     def take(self) -> list[tuple[str, int, int, float]]:
         with self._lock:

@@ -10,13 +10,15 @@ with non_blocking copies, the forward runs on the runner's own stream, and the
 sampled tokens come back by a non_blocking copy into pinned memory plus an event
 that a second thread waits on. So the worker can launch batch N+1 while batch N
 is still on the device; stream order keeps N+1 after N (its future token ids are
-resolved on the device).
+resolved on the device). On the host, HostPipeline orders when a step's result is
+published (host_pipeline.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -27,6 +29,7 @@ from kernels.attention.base import AttentionBackend
 from runtime.model_executor import prompt_logprobs
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.future_map import FutureMap
+from runtime.model_executor.host_pipeline import HostPipeline
 from runtime.mem.kv_pool import KVPool
 from runtime.model_executor.sampler import SampleOutput, Sampler
 from runtime.model_executor.worker import BatchResult, ForwardInputs, ModelWorkerBatch, write_req_to_token
@@ -74,6 +77,7 @@ class ModelRunner:
         self.pooler: Pooler | None = None  # an --is-embedding server's (set by build_shard): no sampling
         self.stream: torch.cuda.Stream | None = None
         self._d2h: ThreadPoolExecutor | None = None
+        self._host = HostPipeline(self)  # host steps: scheduler rounds run beside the kernels
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
             self._d2h = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-d2h")
@@ -167,19 +171,30 @@ class ModelRunner:
                 fb.prompt_hidden = hidden[fb.prompt_logprob_rows]
         return self.model.compute_logits(last)
 
-    def _forward(self, mwb: ModelWorkerBatch) -> SampleOutput:
+    @contextlib.contextmanager
+    def _tp_step(self) -> Iterator[None]:
+        """A step on rank 0 of a tensor-parallel group: its send and collectives under one
+        lock (never interleaved with another step's), a failure reported to the group."""
         if self.tp_channel is None:
-            return self._forward_step(mwb)
-        with self.tp_channel.step_lock:  # one step's collectives, never interleaved
+            yield
+            return
+        with self.tp_channel.step_lock:
             try:
-                return self._forward_step(mwb)
+                yield
             except Exception as exc:
                 if self.on_tp_failure is not None:
                     self.on_tp_failure(f"tensor-parallel forward failed: {exc}")
                 raise
 
-    def _forward_step(self, mwb: ModelWorkerBatch) -> SampleOutput:
-        fb = self.build_forward_batch(mwb)
+    def _forward(self, mwb: ModelWorkerBatch) -> SampleOutput:
+        with self._tp_step():
+            return self._forward_built(self.build_forward_batch(mwb), mwb)
+
+    def run_step(self, fb: ForwardBatch, mwb: ModelWorkerBatch) -> BatchResult:
+        """A host step after build_forward_batch (HostPipeline's second half)."""
+        return self._to_result(self._forward_built(fb, mwb))
+
+    def _forward_built(self, fb: ForwardBatch, mwb: ModelWorkerBatch) -> SampleOutput:
         logits = self.forward_logits(fb)
         sampling = mwb.sampling
         if self.device.type == "cuda":  # the sampler's .to(device) calls become no-ops
@@ -227,7 +242,8 @@ class ModelRunner:
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> BatchResult:
         """Run one batch and wait for its tokens."""
         if self.stream is None:
-            return self._to_result(self._forward(mwb))
+            with self._tp_step():
+                return self.run_step(self.build_forward_batch(mwb), mwb)
         done, host = self._launch_on_stream(mwb)
         done.synchronize()
         return self._to_result(host)
@@ -237,10 +253,13 @@ class ModelRunner:
         the batch is enqueued; the d2h thread completes the future when its copies land."""
         if self.pooler is not None:  # embedding server: pooled hidden states (pooler.py)
             return executor.submit(self.pooler.forward, self, mwb)
-        if self.stream is None or self._d2h is None:
-            return executor.submit(self.forward_batch_generation, mwb)
+        if self.stream is None:  # the host: the worker thread runs the kernels itself
+            if self.tp_channel is not None:  # one lock over a step's send and collectives
+                return executor.submit(self.forward_batch_generation, mwb)
+            return self._host.launch(executor, mwb)
         result: Future[BatchResult] = Future()
         d2h = self._d2h
+        assert d2h is not None
 
         def finish(done: torch.cuda.Event, host: SampleOutput) -> None:
             try:
