@@ -31,6 +31,7 @@ def main() -> None:
     from runtime.model_config import ModelConfig
     from runtime.model_executor.model_loader import load_model, prepare_model_dir
     from runtime.models.cpu_path import bind_cpu_ops
+    from runtime.layers.quantization.int4 import drop_dense_copy
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--windows", type=int, default=24, help="128-token windows of docs text.")
@@ -60,8 +61,7 @@ def main() -> None:
             bind_cpu_ops(model, ops)
         print(f"{name + ' (+bf16 copy)':24s} %.4f %.4f" % agreement(logits(model, f32), ref))
         for module in model.modules():
-            if hasattr(module, "dense_weight"):
-                del module.dense_weight
+            drop_dense_copy(module)
         print(f"{name + ' only':24s} %.4f %.4f" % agreement(logits(model, f32), ref))
     # The default's decode path with a narrower KV cache (half the bytes a decode step reads).
     for kv in args.kv_cache_dtypes if "kv" in args.modes else []:

@@ -18,7 +18,7 @@ import torch
 from kernels.cpu import CpuOps
 from runtime.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from runtime.layers.quantization import linear_form
-from runtime.layers.quantization.q4q8 import Q4Q8LinearMethod, pack_q4, unpack_q4
+from runtime.layers.quantization.q4q8 import DENSE_MIN_ROWS, Q4Q8LinearMethod, pack_q4, unpack_q4
 from runtime.layers.quantization.q8 import pack_q8_exact, pack_q8_vnni
 from tests.test_gguf_quantization import gguf_layer, gguf_weight, reference, rel_err
 
@@ -104,6 +104,15 @@ def test_a_gguf_layer_packs_the_files_blocks_exactly_and_computes_with_them(cpu_
     with torch.no_grad():
         y = layer(x)
     assert y.dtype == x.dtype and rel_err(y, x @ reference(weight).T) < 2e-4  # bf16 activations: ~3e-3
+    # A prefill-sized batch goes through the bfloat16 copy, in oneDNN's blocked layout on
+    # the CPU (re-packed per call otherwise): the bf16 GEMM of the same weights.
+    big = torch.randn(DENSE_MIN_ROWS + 9, 576)
+    with torch.no_grad():
+        y = layer(big)
+    if hasattr(layer, "dense_packed"):
+        bf16 = torch.nn.functional.linear(big.bfloat16(), reference(weight).bfloat16()).float()
+        torch.testing.assert_close(y, bf16, rtol=2**-7, atol=1e-5)  # one bf16 rounding of the sums
+    assert rel_err(y, big @ reference(weight).T) < 1e-2
 
 
 def test_q8_0_parts_keep_the_two_plane_int4_form(cpu_ops: CpuOps) -> None:

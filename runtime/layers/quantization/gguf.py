@@ -17,7 +17,7 @@ layout (gguf_blocks.py) and hands the layer to the method that computes with it:
 
 so a layer is packed whole or float whole, and the float matrix of a packed one is
 never built. Where bfloat16 matmuls are native (AMX / AVX512-BF16), a packed layer
-also keeps its weight in bfloat16 (`dense_weight`), which batches of 24 (q4q8: 32) rows
+also keeps its weight in bfloat16 (`keep_dense_copy`), which batches of 24 (q4q8: 32) rows
 or more (prefill, large decode batches) run through instead: torch's int4 kernel is fastest
 at a few rows and grows linearly with them (int4.dense_matmul; +2 bytes a weight).
 """
@@ -37,6 +37,7 @@ from runtime.layers.quantization.int4 import (
     N_MULTIPLE,
     Int4LinearMethod,
     dense_matmul,
+    keep_dense_copy,
     pack_int4,
     unpack_int4,
 )
@@ -164,7 +165,7 @@ class GgufLinearMethod(UnquantizedLinearMethod):
                 layer.scales_and_zeros = nn.Parameter(scales_and_zeros.to(self.device), requires_grad=False)
                 method = Int4LinearMethod(BLOCK) if count == 1 else Int4PlanesLinearMethod(count)
             if native_bf16_matmul(self.device):  # prefill and big batches: see int4.dense_matmul
-                layer.register_buffer("dense_weight", dense_bf16(planes).to(self.device), persistent=False)
+                keep_dense_copy(layer, dense_bf16(planes).to(self.device))
         else:
             weight = torch.empty(n, k, dtype=self.dtype, device=self.device)
             for offset, w in parts:
