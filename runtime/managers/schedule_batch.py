@@ -151,17 +151,14 @@ class ScheduleBatch:
         rows = self._rows()
         self._evict_for(self.decode_tokens_needed())
         self.seq_lens = [s + 1 for s in self.seq_lens]
-        self.prefix_lens = [s - 1 for s in self.seq_lens]
+        self.prefix_lens = positions = [s - 1 for s in self.seq_lens]  # of the new tokens
         self.extend_lens = [1] * len(self.reqs)
-        table = pool.req_to_token
-        rows_t = torch.tensor(rows, dtype=torch.int64)
-        pos_t = torch.tensor(self.seq_lens, dtype=torch.int64) - 1
-        last_locs = table[rows_t, pos_t - 1].tolist() if self.allocator.page_size > 1 else []
+        last_locs = pool.slots_at(rows, [p - 1 for p in positions]) if self.allocator.page_size > 1 else []
         out = self.allocator.alloc_decode(self.seq_lens, last_locs)
         if out is None:
             raise RuntimeError("KV pool exhausted during decode; check_decode_mem should have retracted")
         self.out_cache_loc = out
-        table[rows_t, pos_t] = out.to(torch.int32)
+        pool.write_tokens(rows, positions, out)
         self.input_ids = torch.tensor(self.next_input, dtype=torch.int64)
         self.prefix_slots = [None] * len(self.reqs)
 
@@ -216,8 +213,8 @@ class ScheduleBatch:
 
     def get_model_worker_batch(self, futures: FutureMap) -> ModelWorkerBatch:
         bs = len(self.reqs)
-        future_ids = futures.alloc(bs)
-        self.next_input = future_ids.tolist()
+        self.next_input = futures.alloc(bs)
+        future_ids = torch.tensor(self.next_input, dtype=torch.int64)
         self.epochs = [r.epoch for r in self.reqs]
         tops = [(r.top_logprobs_num if r.return_logprob else -1) for r in self.reqs]
         row_syncs = []

@@ -43,8 +43,8 @@ class TokenToKVPoolAllocator:
         """Fresh slots starting on a page boundary (whole pages are taken)."""
         p = self.page_size
         pages = self._take_pages(-(-num_tokens // p))
-        if pages is None:
-            return None
+        if pages is None or p == 1:  # page_size 1: a page is a slot
+            return pages
         slots = (pages[:, None] * p + torch.arange(p)).flatten()
         return slots[:num_tokens]
 

@@ -18,11 +18,11 @@ class FutureMap:
         self.buf = torch.zeros(capacity + 1, dtype=torch.int64, device=device)
         self._next = 0  # scheduler-side counter
 
-    def alloc(self, n: int) -> torch.Tensor:
-        """Scheduler side: n fresh placeholders (negative ids)."""
-        ids = (torch.arange(n, dtype=torch.int64) + self._next) % self.capacity + 1
-        self._next = (self._next + n) % self.capacity
-        return -ids
+    def alloc(self, n: int) -> list[int]:
+        """Scheduler side: n fresh placeholders (negative ids), as plain ints."""
+        start, cap = self._next, self.capacity
+        self._next = (start + n) % cap
+        return [-((start + i) % cap + 1) for i in range(n)]
 
     def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Worker side: replace placeholders by the tokens stored under them."""
