@@ -110,4 +110,6 @@ def write_req_to_token(table: torch.Tensor, mwb: ForwardInputs, out_cache_loc: t
         start += n
     if decode_rows:
         i64 = torch.int64
-        table[upload(decode_rows, i64), upload(decode_pos, i64)] = out_cache_loc[upload(decode_tok, i64)].to(torch.int32)
+        # An all-decode batch's tokens are out_cache_loc itself, in order.
+        new = out_cache_loc if len(decode_tok) == out_cache_loc.numel() else out_cache_loc[upload(decode_tok, i64)]
+        table[upload(decode_rows, i64), upload(decode_pos, i64)] = new.to(torch.int32)
