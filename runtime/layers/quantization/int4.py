@@ -105,15 +105,19 @@ def dequantize_int4_values(
 # SmolLM2's whole decode step (2 threads, bench/RESULTS.md item 15) took 62 ms int4 vs
 # 68-71 ms bf16 at 16 rows and 113-118 vs 99 ms at 32; a prefill of 128 tokens 2x faster.
 DENSE_MIN_ROWS = 24
+# The batch size oneDNN lays the packed bf16 copy out for (keep_dense_copy).
+DENSE_PACK_ROWS = 256
 
 
 def keep_dense_copy(layer: nn.Module, dense: torch.Tensor) -> None:
     """Give `layer` the bfloat16 copy `dense_matmul` uses (`[out, in]`). On the CPU it is
     kept in oneDNN's blocked layout (`dense_packed`): F.linear on a plain bf16 weight
-    re-packs that weight on every call, which cost a 128-token SmolLM2 prefill's 120
-    GEMMs 35 -> 26 ms, and 316 -> 190 ms at 2048 rows (bench/RESULTS.md item 19)."""
+    re-packs that weight on every call. SmolLM2's 120 GEMMs at 64 / 256 / 1024 rows: plain
+    25-27 / 58-68 / 160-242 ms, packed for 256 rows 18.5 / 45 / 154 ms (the default hint's
+    layout lost from 512 rows on; bench/RESULTS.md item 19)."""
     if dense.is_cpu and torch.backends.mkldnn.is_available():
-        layer.register_buffer("dense_packed", torch.ops.mkldnn._reorder_linear_weight(dense), persistent=False)
+        packed = torch.ops.mkldnn._reorder_linear_weight(dense, DENSE_PACK_ROWS)
+        layer.register_buffer("dense_packed", packed, persistent=False)
     else:
         layer.register_buffer("dense_weight", dense, persistent=False)
 
