@@ -5,10 +5,15 @@
 
 void bind_decode_stack(py::module& m);
 
+// The long kernels (a decode batch's attention, the LM head, a linear: 0.5-20 ms) run
+// without the GIL, so the scheduler's round (HTTP streams included) can run beside them;
+// the row ops (a few microseconds) keep it: a GIL hand-over there costs more than the op.
+using release_gil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode_stack(m);
-  m.def("paged_attention", &paged_attention, "paged attention, one query token at a time (CPU)");
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("paged_attention", &paged_attention, "paged attention, one query token at a time (CPU)", release_gil());
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", release_gil());
   m.def("rms_norm", &rms_norm, "weight * rms_norm(x)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; weight * rms_norm(residual)");
   m.def("rotary_", &rotary_, "RoPE on the first heads of each row, in place");
@@ -17,7 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "logits.argmax(-1) of float32 rows (first maximum; NaN wins)");
   m.def("store_kv", &store_kv, "k_buf[loc] = k, v_buf[loc] = v (cast to the buffers' dtype)");
   m.def("q4_linear_vnni", &q4_linear_vnni, "q4_linear runs on AVX512-VNNI (else a scalar loop)");
-  m.def("q4_linear", &q4_linear, "x @ W.T with W in Q4 blocks, x in int8 blocks of 32");
-  m.def("q8_linear_vnni", &q8_linear_vnni, "x @ W.T with W in Q8 blocks (pack_q8_vnni), x in int8 blocks of 32");
-  m.def("q8_linear", &q8_linear, "x @ W.T with W in int8 blocks of 32");
+  m.def("q4_linear", &q4_linear, "x @ W.T with W in Q4 blocks, x in int8 blocks of 32", release_gil());
+  m.def("q8_linear_vnni", &q8_linear_vnni, "x @ W.T with W in Q8 blocks (pack_q8_vnni), x in int8 blocks of 32",
+        release_gil());
+  m.def("q8_linear", &q8_linear, "x @ W.T with W in int8 blocks of 32", release_gil());
 }
