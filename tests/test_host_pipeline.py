@@ -105,3 +105,16 @@ def test_steps_the_executor_drops_are_cancelled_and_the_held_result_still_arrive
     assert isinstance(fa.result(timeout=5), BatchResult)
     assert fb.cancelled()
     assert [e for e in steps.events if not e.startswith("published")] == ["build a", "run a"]
+
+
+def test_a_launch_the_executor_refuses_does_not_leave_the_running_step_held() -> None:
+    steps = Steps()
+    steps.gates["a"] = threading.Event()
+    pipe = HostPipeline(steps)
+    ex = ThreadPoolExecutor(max_workers=1)
+    fa = launch(pipe, ex, "a", steps)
+    ex.shutdown(wait=False)
+    with pytest.raises(RuntimeError):
+        launch(pipe, ex, "b", steps)
+    steps.gates["a"].set()
+    assert isinstance(fa.result(timeout=5), BatchResult)  # published, not held for "b"

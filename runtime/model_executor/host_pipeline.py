@@ -47,7 +47,12 @@ class HostPipeline:
         result: Future[BatchResult] = Future()
         with self._lock:
             self._queued += 1
-        work = executor.submit(self._step, mwb, result)
+        try:
+            work = executor.submit(self._step, mwb, result)
+        except BaseException:  # a shut-down executor: nothing is queued behind a running step
+            with self._lock:
+                self._queued -= 1
+            raise
 
         def dropped(work: Future[None]) -> None:  # the executor shut down before it ran
             if work.cancelled():
