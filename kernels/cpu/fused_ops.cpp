@@ -11,11 +11,7 @@
 // (residual sum, normalized value, silu). Every op is per row: a row's result
 // depends on that row only (no cross-row reduction, no M-dependent path), so these
 // are batch-invariant by construction.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#endif
+#include "cpu_common.h"
 #include "spin_pool.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -28,11 +28,7 @@
 // decode step: one query per item). Positions go in tiles of 16: the tile's K rows
 // are widened and transposed once ([Hkv][D][16]) and serve every query and head of
 // the block, so a score is 16 lanes of one fma chain, with no horizontal sums.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#endif
+#include "cpu_common.h"
 #include "spin_pool.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -50,21 +46,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kTile = 16;     // positions per K tile (and lanes of a partial sum)
 constexpr int64_t kQueries = 16;  // queries of one request per work item
 
-// Widen one K/V row to float. bfloat16 is the high half of a float: a shift the
-// compiler vectorizes (c10's conversion operator it does not).
-template <typename KT>
-inline void to_float(const KT* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
-}
-
-template <>
-inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) out[j] = static_cast<uint32_t>(bits[j]) << 16;
-}
+using sluice::to_float;
 
 // A float KV row is read in place; a narrower one is widened into `scratch`.
 template <typename KT>

@@ -18,8 +18,8 @@
 // The fastest decode; its sums are not the per-query order of paged_attention.cpp,
 // which deterministic inference uses for decodes too (a token decoded here and the
 // same token recomputed by an extend would differ in the last bits).
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define CPU_CAPABILITY_AVX512
+#include "cpu_common.h"
+#if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
 #include "spin_pool.h"
@@ -32,21 +32,7 @@
 #include <type_traits>
 #include <vector>
 
-// Widen one K/V row to float. bfloat16 is the high half of a float: a shift the
-// compiler vectorizes (c10's conversion operator it does not).
-template <typename KT>
-static inline void to_float(const KT* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
-}
-
-template <>
-inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) out[j] = static_cast<uint32_t>(bits[j]) << 16;
-}
+using sluice::to_float;
 
 // One call's shapes and pointers (q [n, Hq, D], the pool's [slots, Hkv, D] rows of `row`
 // values, kv_idx [n, max_len], lens [n], out like q), for either kernel below.

@@ -1,0 +1,34 @@
+// What the kernel files include first: the vector ISA at::vec is compiled for (the build
+// is -march=native, so the compiler's own macros say what this CPU has; at::vec reads
+// CPU_CAPABILITY_* when its headers are included), and the K/V row widening that both
+// attention kernels use.
+#pragma once
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#endif
+#include <ATen/ATen.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cstdint>
+
+namespace sluice {
+
+// Widen one K/V row to float. bfloat16 is the high half of a float: a shift the
+// compiler vectorizes (c10's conversion operator it does not).
+template <typename KT>
+inline void to_float(const KT* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+}
+
+template <>
+inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) out[j] = static_cast<uint32_t>(bits[j]) << 16;
+}
+
+}  // namespace sluice
