@@ -10,6 +10,7 @@ One extension, `sluice_cpu_ops`, from every .cpp in this directory:
   q8_linear.cpp     float32 x int8-block matmul (the GGUF's Q8_0 LM head)
   q4_linear.cpp     Q4-block weights x int8-block activations on AVX512-VNNI (gguf linears)
   decode_stack.cpp  a decode batch's decoder layers in one call, from the kernels above
+  cpu_common.h      the vector ISA at::vec compiles for; K/V row widening
   spin_pool.h       the kernels' threads: they spin between the calls of a step, where
                     OpenMP's, with two teams in the process, sleep and must be woken
 
