@@ -108,16 +108,26 @@ def test_an_engine_with_no_flags_serves_the_default_mode(make_engine: Any, token
     assert_all_memory_free(engine)
 
 
-def test_the_fused_decode_stack_gives_every_decode_step_the_module_paths_bits(make_engine: Any) -> None:
-    """kernels/cpu/decode_stack.cpp runs a decode batch's 30 layers in one call: each step
-    of a staggered batch (sizes 1..5, one request finishing at a time) is run both ways."""
-    engine = make_engine(dtype="auto", quantization="auto", max_running_requests=8)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_the_fused_decode_stack_gives_every_decode_step_the_module_paths_bits(make_engine: Any, deterministic: bool) -> None:
+    """kernels/cpu/decode_stack.cpp runs a decode batch's 30 layers in one call (with the
+    per-query attention kernel under deterministic inference): each step of a staggered
+    batch (sizes 1..5, one request finishing at a time) is run both ways."""
+    engine = make_engine(dtype="auto", quantization="auto", max_running_requests=8, enable_deterministic_inference=deterministic)
     model, runner = engine.worker.model, engine.worker
     ops = load_cpu_ops()
     if ops is None or not ops.q4_linear_vnni():  # no q4q8 linears: the module path only
         assert model.model.decode_stack is None
         return
-    assert model.model.decode_stack is not None
+    real_stack, ran = model.model.decode_stack, []
+    assert real_stack is not None
+
+    def counted(h: torch.Tensor, positions: torch.Tensor, fb: Any) -> torch.Tensor | None:
+        out = real_stack(h, positions, fb)
+        ran.append(out is not None)
+        return out
+
+    model.model.decode_stack = counted
     inner, steps = runner.forward_logits, []
 
     def both_ways(fb: Any) -> torch.Tensor:
@@ -139,4 +149,5 @@ def test_the_fused_decode_stack_gives_every_decode_step_the_module_paths_bits(ma
     assert [len(o["output_ids"]) for o in outs] == [3, 5, 7, 9, 11]
     assert all(same for _, same in steps), steps
     assert {size for size, _ in steps} >= {1, 2, 5}, steps
+    assert sum(ran) == len(steps), "the stack must take every decode step (prefills: the module path)"
     assert_all_memory_free(engine)

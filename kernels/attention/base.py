@@ -7,7 +7,7 @@ satisfy structurally.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -59,14 +59,24 @@ class AttentionBatch(Protocol):
     def attn_backend(self) -> AttentionBackend: ...
 
 
+class DecodeAttentionPlan(NamedTuple):
+    """An all-decode batch's attention on the CPU kernels: `paged_decode(q, pool, kv_idx,
+    lens)`, or with `token_req` the per-query `paged_attention(q, pool, kv_idx, token_req,
+    lens)` that deterministic inference uses for every token."""
+
+    kv_idx: torch.Tensor  # [n, max_len] int64; row i's first lens[i] slots are read
+    lens: torch.Tensor  # [n] int64
+    token_req: torch.Tensor | None = None  # [n]: query t reads kv_idx row token_req[t]
+
+
 class AttentionBackend(Protocol):
     def init_forward_metadata(self, fb: AttentionBatch) -> None:
         """Plan once per batch; `forward` reuses the plan for every layer."""
 
-    def paged_decode_plan(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`(kv_idx [n, max_len], lens [n])` where this batch's attention is, for every
-        layer, the CPU kernel `paged_decode` over them (an all-decode batch); else None.
-        A caller that runs the layers itself (kernels/cpu/decode_stack.cpp) needs it."""
+    def decode_attention_plan(self) -> DecodeAttentionPlan | None:
+        """Where this batch's attention is, for every layer, one CPU kernel call over the
+        plan (an all-decode batch); else None. A caller that runs the layers itself
+        (kernels/cpu/decode_stack.cpp) needs it."""
         ...
 
     def forward(

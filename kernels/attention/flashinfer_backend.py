@@ -36,7 +36,7 @@ import torch
 
 if TYPE_CHECKING:
     from kernels.attention.base import AttentionBatch
-    from kernels.attention.base import KVCache
+    from kernels.attention.base import DecodeAttentionPlan, KVCache
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-kv partials)
 TENSOR_CORE_MIN_GQA_GROUP = 4  # SGLang's rule: prefill-style decode kernels pay off from here
@@ -208,7 +208,7 @@ class FlashInferBackend:
         self.active = wrapper
 
     # ---- AttentionBackend --------------------------------------------------------------
-    def paged_decode_plan(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def decode_attention_plan(self) -> DecodeAttentionPlan | None:
         return None  # a CPU kernel's plan; this backend's decode is FlashInfer's
 
     def init_forward_metadata(self, fb: AttentionBatch) -> None:

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kernels.attention.base import DecodeAttentionPlan
+
 if TYPE_CHECKING:
     from kernels.attention.base import AttentionBatch
     from kernels.cpu import CpuOps
@@ -76,7 +78,8 @@ class TorchNativeBackend:
         self._per_query = _PerQueryPlan(kv_idx, token_req, lens)
 
     def init_forward_metadata(self, fb: AttentionBatch) -> None:
-        self._per_query, self._decode, self._extends, self._all_decode = None, None, [], False
+        self._per_query, self._decode, self._extends = None, None, []
+        self._all_decode = fb.forward_mode.is_decode()
         if self.deterministic:
             self._plan_per_query(fb)
             return
@@ -87,7 +90,6 @@ class TorchNativeBackend:
         one = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n == 1]
         many = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n > 1]
         device = fb.input_ids.device
-        self._all_decode = fb.forward_mode.is_decode()
 
         if one and self._all_decode and self._ops is not None and device.type == "cpu":
             # The paged kernel reads row i's first lens[i] slots only: no mask, no selection.
@@ -112,11 +114,15 @@ class TorchNativeBackend:
                 mask = torch.arange(prefix + length, device=device)[None, :] <= q_pos
             self._extends.append(_ExtendItem(starts[i], length, kv_idx, mask))
 
-    def paged_decode_plan(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def decode_attention_plan(self) -> DecodeAttentionPlan | None:
+        if self._ops is None or not self._all_decode:
+            return None
+        if (pq := self._per_query) is not None:  # deterministic: token t is request t's one
+            return DecodeAttentionPlan(pq.kv_idx, pq.lens, pq.token_req) if pq.kv_idx.device.type == "cpu" else None
         plan = self._decode
-        if self._ops is None or plan is None or not self._all_decode or plan.kv_idx.device.type != "cpu":
-            return None  # (deterministic inference plans per query: _decode is None there)
-        return plan.kv_idx, plan.lens
+        if plan is None or plan.kv_idx.device.type != "cpu":
+            return None
+        return DecodeAttentionPlan(plan.kv_idx, plan.lens)
 
     @staticmethod
     def _as_cached(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype, ops: CpuOps | None) -> torch.Tensor:

@@ -8,6 +8,8 @@
 //   x = rms_norm(h) (layer 0) | add_rms_norm_(h, residual)      residual += h, in place
 //   qkv = q4_linear(x, qkv); rotary_(qkv, q and k heads)
 //   store_kv(k, v at loc); o = paged_decode(q, the pool, kv_idx, lens)
+//       (with token_req: paged_attention(q, the pool, kv_idx, token_req, lens), the
+//        per-query order of deterministic inference)
 //   h = q4_linear(o, o_proj); x = add_rms_norm_(h, residual)
 //   h = q4_linear(silu_mul(q4_linear(x, gate_up)), down)
 //   final: add_rms_norm_(h, residual, final norm)
@@ -46,14 +48,17 @@ class DecodeStack {
 
   // h: the embeddings [n, hidden] (float32; its storage becomes the residual stream);
   // one new token per request at `positions`, KV written at `loc`; kv_idx / lens as
-  // paged_decode takes them. Returns the final norm's output [n, hidden].
-  at::Tensor forward(at::Tensor h, at::Tensor positions, at::Tensor loc, at::Tensor kv_idx, at::Tensor lens) const {
+  // paged_decode takes them, or with token_req as paged_attention does. Returns the final
+  // norm's output [n, hidden].
+  at::Tensor forward(at::Tensor h, at::Tensor positions, at::Tensor loc, at::Tensor kv_idx, at::Tensor lens,
+                     c10::optional<at::Tensor> token_req) const {
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h: float32 [n, hidden], contiguous");
     const int64_t n = h.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     positions = positions.to(at::kLong).contiguous();
     loc = loc.to(at::kLong).contiguous();
     kv_idx = kv_idx.to(at::kLong).contiguous();
     lens = lens.to(at::kLong).contiguous();
+    if (token_req.has_value()) token_req = token_req->to(at::kLong).contiguous();
     at::Tensor residual;
     for (const Layer& layer : layers_) {
       at::Tensor x;
@@ -69,7 +74,9 @@ class DecodeStack {
       at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, kv_heads_, head_dim_});
       at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads_, head_dim_});
       store_kv(layer.k_buf, layer.v_buf, loc, k, v);
-      at::Tensor o = paged_decode(q, layer.k_buf, layer.v_buf, kv_idx, lens, scale_);
+      at::Tensor o = token_req.has_value()
+                         ? paged_attention(q, layer.k_buf, layer.v_buf, kv_idx, *token_req, lens, scale_)
+                         : paged_decode(q, layer.k_buf, layer.v_buf, kv_idx, lens, scale_);
       h = q4_linear(o.view({n, q_size}), layer.o);
       x = add_rms_norm_(h, residual, layer.post_norm, eps_);
       h = q4_linear(silu_mul(q4_linear(x, layer.gate_up)), layer.down);
@@ -91,5 +98,5 @@ void bind_decode_stack(py::module& m) {
            py::arg("per_layer"), py::arg("final_norm"), py::arg("cos_sin_cache"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"))
       .def("forward", &DecodeStack::forward, py::arg("h"), py::arg("positions"), py::arg("loc"), py::arg("kv_idx"),
-           py::arg("lens"), py::call_guard<py::gil_scoped_release>());
+           py::arg("lens"), py::arg("token_req") = py::none(), py::call_guard<py::gil_scoped_release>());
 }

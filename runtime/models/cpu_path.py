@@ -67,8 +67,9 @@ def _layers(model: LlamaModel) -> list[LlamaDecoderLayer]:
 
 class _Stack(Protocol):  # kernels/cpu/decode_stack.cpp's DecodeStack
     def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor, kv_idx: torch.Tensor, lens: torch.Tensor
-    ) -> torch.Tensor: ...
+        self, h: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor, kv_idx: torch.Tensor, lens: torch.Tensor,
+        token_req: torch.Tensor | None,
+    ) -> torch.Tensor: ...  # fmt: skip
 
 
 class FusedDecodeStack:
@@ -77,7 +78,9 @@ class FusedDecodeStack:
     Only where that call is exactly the module path (`fits`): every linear q4q8 without
     bias, no q/k norm, one rank, float32 activations; and per batch only while the layers'
     bfloat16 copies would not take it (fewer than DENSE_MIN_ROWS rows) and the attention
-    backend runs `paged_decode` for every token. The KV pool is made after the model: its
+    backend runs one CPU kernel for every token (`decode_attention_plan`: paged_decode, or
+    under deterministic inference the per-query kernel, whose q4q8 linears are
+    batch-invariant as they are). The KV pool is made after the model: its
     buffers are bound on the first call with it."""
 
     def __init__(self, model: LlamaModel, ops: CpuOps) -> None:
@@ -98,14 +101,13 @@ class FusedDecodeStack:
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, fb: AttentionBatch) -> torch.Tensor | None:
         """The final norm's output, or None where the module path must run."""
-        plan = fb.attn_backend.paged_decode_plan()
+        plan = fb.attn_backend.decode_attention_plan()
         if plan is None or h.shape[0] >= DENSE_MIN_ROWS:  # (h is float32: `fits`)
             return None
         pool = fb.kv_pool
         if self._stack is None or self._k0 is not pool.k_buffer[0]:
             self._stack, self._k0 = self._build(pool.k_buffer, pool.v_buffer), pool.k_buffer[0]
-        kv_idx, lens = plan
-        return self._stack.forward(h, positions, fb.out_cache_loc, kv_idx, lens)
+        return self._stack.forward(h, positions, fb.out_cache_loc, plan.kv_idx, plan.lens, plan.token_req)
 
     def _build(self, k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor]) -> _Stack:
         per_layer: list[torch.Tensor] = []
