@@ -13,7 +13,7 @@ the scheduler's round then runs beside kernels that do not hold the GIL. A step 
 finds nothing queued behind it publishes at once, so no result ever waits on a step
 that may not come. Steps still run one at a time, in launch order, on the executor's
 one thread; invariant: at most one result is held, and only while a later step is
-queued or running its `prepare`.
+queued or building its inputs.
 """
 
 from __future__ import annotations

@@ -143,14 +143,15 @@ def dense_matmul(
     if layer.batch_invariant or x.numel() < min_rows * x.shape[-1]:
         return None
     packed = cast(torch.Tensor | None, getattr(layer, "dense_packed", None))
+    weight = packed if packed is not None else cast(torch.Tensor | None, getattr(layer, "dense_weight", None))
+    if weight is None:
+        return None
+    xb = to_dtype(x, weight.dtype)
     if packed is not None:
-        xb = to_dtype(x, packed.dtype)
-        out = to_dtype(torch.ops.mkldnn._linear_pointwise(xb, packed, None, "none", [], ""), x.dtype)
+        y = torch.ops.mkldnn._linear_pointwise(xb, packed, None, "none", [], "")
     else:
-        dense = cast(torch.Tensor | None, getattr(layer, "dense_weight", None))
-        if dense is None:
-            return None
-        out = to_dtype(torch.nn.functional.linear(to_dtype(x, dense.dtype), dense), x.dtype)
+        y = torch.nn.functional.linear(xb, weight)
+    out = to_dtype(y, x.dtype)
     return out if bias is None else out + bias
 
 
