@@ -30,6 +30,12 @@
 // 64 bytes at [64c, 64c + 64) (byte 4j + t = row j, column 4c + t), then d and m as float32.
 // There c can exceed 2^24, so its conversion to float rounds (relative 2^-24).
 //
+// Software prefetch, kPrefetchAhead bytes ahead of the record being read (first tile of a
+// block only). A decode step streams ~100 MB of records (SmolLM2: 66 MB of Q4 linears, 35 MB
+// of Q8 head), about what this machine's share of L3 holds; the hardware streamer stops at
+// every 4 KB page and restarts its ramp on each of a step's 121 linears, so without the hint a
+// bs 1 forward took 4.2-4.5 ms, with it 3.0-3.6 (bench/RESULTS.md item 20).
+//
 // Batch invariance by construction: a row's quantization, integer dot products and float
 // accumulation (one fma for the d term, one for the m term, group by group in order) are
 // the same whatever M, the row's position in the tile, or the thread count.
@@ -51,6 +57,7 @@ constexpr int64_t kLanes = 16;
 constexpr int64_t kGroup = 32;
 constexpr int64_t kRecord = 320;  // bytes per (block, group): 256 of codes, 32 of d, 32 of m
 constexpr int64_t kRecord8 = 640;  // Q8: 512 of codes (q + 128), 64 of d, 64 of m = -128 d (float32)
+constexpr int64_t kPrefetchAhead = 4096;  // one page: past where the hardware streamer stops
 
 struct QuantRows {  // x as two int8 planes a, b [M, K]; u and u * (256 sum a + sum b) [M, K / 32]
   std::vector<int8_t> a, b;
@@ -130,13 +137,19 @@ inline void q8_dots(const QuantRows& q, int64_t row0, int64_t K, int64_t g, cons
 }
 
 // R rows of x against one block of 16 output rows.
+// (prefetch: this is the block's first tile, which streams its records in)
 template <int R, bool Q8>
-inline void block_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_t* rec, float* y, int64_t N) {
+inline void block_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_t* rec, float* y, int64_t N,
+                       bool prefetch) {
+  constexpr int64_t record = Q8 ? kRecord8 : kRecord;
   const int64_t G = K / kGroup;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g, rec += Q8 ? kRecord8 : kRecord) {
+  for (int64_t g = 0; g < G; ++g, rec += record) {
+    // (past the tensor's end on the last records: a prefetch never faults)
+    for (int64_t l = 0; prefetch && l < record; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchAhead + l), _MM_HINT_T0);
     __m512i dot_a[R], dot_b[R];
     for (int r = 0; r < R; ++r) dot_a[r] = dot_b[r] = _mm512_setzero_si512();
     if constexpr (Q8) q8_dots<R>(q, row0, K, g, rec, dot_a, dot_b);
@@ -173,7 +186,7 @@ inline void block_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_
 // The same arithmetic lane by lane (a build without AVX512-VNNI; callers prefer torch's
 // int4 kernel there, see q4_linear_vnni).
 template <int R, bool Q8>
-inline void block_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_t* rec, float* y, int64_t N) {
+inline void block_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_t* rec, float* y, int64_t N, bool) {
   const int64_t G = K / kGroup;
   float acc[R][kLanes] = {};
   for (int64_t g = 0; g < G; ++g, rec += Q8 ? kRecord8 : kRecord) {
@@ -250,15 +263,16 @@ at::Tensor block_linear(at::Tensor x, at::Tensor packed) {
       const uint8_t* rec = pp + b * (K / kGroup) * record;
       float* yb = yp + b * kLanes;
       int64_t r = 0;
-      for (; r + R <= M; r += R) block_tile<R, Q8>(q, r, K, rec, yb, N);
+      for (; r + R <= M; r += R) block_tile<R, Q8>(q, r, K, rec, yb, N, r == 0);
+      const bool first = r == 0;
       switch (M - r) {
-        case 7: block_tile<7, Q8>(q, r, K, rec, yb, N); break;
-        case 6: block_tile<6, Q8>(q, r, K, rec, yb, N); break;
-        case 5: block_tile<5, Q8>(q, r, K, rec, yb, N); break;
-        case 4: block_tile<4, Q8>(q, r, K, rec, yb, N); break;
-        case 3: block_tile<3, Q8>(q, r, K, rec, yb, N); break;
-        case 2: block_tile<2, Q8>(q, r, K, rec, yb, N); break;
-        case 1: block_tile<1, Q8>(q, r, K, rec, yb, N); break;
+        case 7: block_tile<7, Q8>(q, r, K, rec, yb, N, first); break;
+        case 6: block_tile<6, Q8>(q, r, K, rec, yb, N, first); break;
+        case 5: block_tile<5, Q8>(q, r, K, rec, yb, N, first); break;
+        case 4: block_tile<4, Q8>(q, r, K, rec, yb, N, first); break;
+        case 3: block_tile<3, Q8>(q, r, K, rec, yb, N, first); break;
+        case 2: block_tile<2, Q8>(q, r, K, rec, yb, N, first); break;
+        case 1: block_tile<1, Q8>(q, r, K, rec, yb, N, first); break;
         default: break;
       }
     }
