@@ -29,16 +29,16 @@ class Q8Weight(NamedTuple):
 
 
 def pack_q8_vnni(weight: Q8Weight) -> torch.Tensor:
-    """The same blocks as `kernels/cpu/q4_linear.cpp`'s Q8 records, uint8 `[N / 16, K / 32, 640]`:
+    """The same blocks as `kernels/cpu/q4_linear.cpp`'s Q8 records, uint8 `[N / 16, K / 32, 576]`:
     per 16 rows and 32 columns, the codes `q + 128` (unsigned, as vpdpbusd wants them) by
-    column quad (byte 4j + t of quad c = row j, column 4c + t), then d and m = -128 d as
-    float32, so that `d * (q + 128) + m = d * q` exactly."""
+    column quad (byte 4j + t of quad c = row j, column 4c + t), then d as float32; the
+    kernel adds `m = -128 d` (exact), so that `d * (q + 128) + m = d * q` exactly."""
     blocks, k, _ = weight.qw.shape
     g = k // GROUP
     codes = (weight.qw.to(torch.int16) + 128).to(torch.uint8)  # [block, K, j]
     codes = codes.view(blocks, g, 8, 4, LANES).transpose(3, 4).reshape(blocks, g, 512)
     d = weight.scales.contiguous()  # [block, G, 16]
-    return torch.cat([codes, d.view(torch.uint8), (-128 * d).view(torch.uint8)], dim=-1).contiguous()
+    return torch.cat([codes, d.view(torch.uint8)], dim=-1).contiguous()
 
 
 def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
