@@ -26,14 +26,17 @@ class LogitsProcessor(nn.Module):
         # q4q8 linears; per-row order, so batch-invariant too); or fixed row blocks.
         self.ops: CpuOps | None = None
         self.q8: Q8Weight | None = None
+        # or, beside q4q8 linears, only pack_q8_vnni's records of those blocks (`q8` is then
+        # None: its 31 MB would be dead weight)
+        self.q8_vnni: torch.Tensor | None = None
         self.batch_invariant = False
 
     def forward(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding) -> torch.Tensor:
         """`[T, hidden]` -> `[T, vocab]` float32. Each rank computes its vocab shard's
         logits; the all-gather concatenates them in rank order (= vocab order), so every
         rank, rank 0's sampler included, sees the whole row. Padding columns are cut."""
-        if self.ops is not None and self.q8 is not None and self.q8.vnni is not None:
-            local = self.ops.q8_linear_vnni(hidden.float(), self.q8.vnni)
+        if self.ops is not None and self.q8_vnni is not None:
+            local = self.ops.q8_linear_vnni(hidden.float(), self.q8_vnni)
         elif self.ops is not None and self.q8 is not None:
             local = self.ops.q8_linear(hidden.float(), self.q8.qw, self.q8.scales)
         elif self.batch_invariant:

@@ -45,8 +45,8 @@ def bind_cpu_ops(model: nn.Module, ops: CpuOps) -> dict[str, int]:
             bound[type(module).__name__] = bound.get(type(module).__name__, 0) + 1
     if isinstance(model, LlamaForCausalLM):
         processor: LogitsProcessor = model.logits_processor
-        processor.q8 = pack_q8_exact(model.lm_head.weight.data)
-        if processor.q8 is not None:
+        q8 = pack_q8_exact(model.lm_head.weight.data)
+        if q8 is not None:
             processor.ops = ops
             bound["q8_lm_head"] = 1
             # A quantized model's head takes the blocks x 16-bit fixed-point activations too
@@ -54,7 +54,9 @@ def bind_cpu_ops(model: nn.Module, ops: CpuOps) -> dict[str, int]:
             # logprobs equal the float32 model's to 1e-5 (tests compare them with HF).
             # (q4q8 layers exist only where the CPU has VNNI)
             if any(isinstance(layer.quant_method, Q4Q8LinearMethod) for layer in linear_layers(model)):
-                processor.q8 = processor.q8._replace(vnni=pack_q8_vnni(processor.q8))
+                processor.q8_vnni = pack_q8_vnni(q8)
+            else:
+                processor.q8 = q8
         if FusedDecodeStack.fits(model.model):
             model.model.decode_stack = FusedDecodeStack(model.model, ops)
             bound["decode_stack"] = 1

@@ -25,7 +25,6 @@ LANES = 16  # output rows per packed block (one AVX-512 vector of outputs)
 class Q8Weight(NamedTuple):
     qw: torch.Tensor  # int8 [N / 16, K, 16]
     scales: torch.Tensor  # float32 [N / 16, K / 32, 16]
-    vnni: torch.Tensor | None = None  # pack_q8_vnni's records, where the CPU has AVX512-VNNI
 
 
 def pack_q8_vnni(weight: Q8Weight) -> torch.Tensor:
