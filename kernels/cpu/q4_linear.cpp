@@ -33,7 +33,7 @@
 // There c can exceed 2^24, so its conversion to float rounds (relative 2^-24).
 //
 // Software prefetch, kPrefetchAhead bytes ahead of the record being read (first tile of a
-// block only). A decode step streams ~100 MB of records (SmolLM2: 66 MB of Q4 linears, 35 MB
+// block only). A decode step streams ~98 MB of records (SmolLM2: 66 MB of Q4 linears, 32 MB
 // of Q8 head), about what this machine's share of L3 holds; the hardware streamer stops at
 // every 4 KB page and restarts its ramp on each of a step's 121 linears, so without the hint a
 // bs 1 forward took 4.2-4.5 ms, with it 3.0-3.6 (bench/RESULTS.md item 20).
