@@ -75,6 +75,10 @@ class CpuOps(Protocol):
 
     def q8_linear_vnni(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor: ...
 
+    def bf16_linear_amx(self) -> bool: ...
+
+    def bf16_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor: ...
+
 
 def _cpu_flags() -> bytes:
     """The CPU's instruction-set flags: the kernel is built with -march=native, so a

@@ -17,3 +17,5 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor qw, at::Tensor scales);
 bool q4_linear_vnni();
 at::Tensor q4_linear(at::Tensor x, at::Tensor packed);
 at::Tensor q8_linear_vnni(at::Tensor x, at::Tensor packed);
+bool bf16_linear_amx();
+at::Tensor bf16_linear(at::Tensor x, at::Tensor packed);

@@ -12,7 +12,6 @@ to bfloat16 in and the output back to the input dtype.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar, NamedTuple, cast
 
 import torch
@@ -21,6 +20,7 @@ from torch import nn
 from runtime.layers.linear import UnquantizedLinearMethod
 
 if TYPE_CHECKING:
+    from kernels.cpu import CpuOps
     from runtime.layers.linear import LinearBase
 
 ACT_DTYPE = (
@@ -109,13 +109,25 @@ DENSE_MIN_ROWS = 24
 DENSE_PACK_ROWS = 256
 
 
-def keep_dense_copy(layer: nn.Module, dense: torch.Tensor) -> None:
-    """Give `layer` the bfloat16 copy `dense_matmul` uses (`[out, in]`). On the CPU it is
-    kept in oneDNN's blocked layout (`dense_packed`): F.linear on a plain bf16 weight
-    re-packs that weight on every call. SmolLM2's 120 GEMMs at 64 / 256 / 1024 rows: plain
-    25-27 / 58-68 / 160-242 ms, packed for 256 rows 18.5 / 45 / 154 ms (the default hint's
-    layout lost from 512 rows on; bench/RESULTS.md item 19)."""
-    if dense.is_cpu and torch.backends.mkldnn.is_available():
+def pack_bf16_tiles(dense: torch.Tensor) -> torch.Tensor:
+    """bfloat16 `[N, K]` -> the CPU kernels' bf16_linear layout `[N / 16, K / 32, 16, 16, 2]`
+    (kernels/cpu/bf16_linear.cpp): element (n, k, p, j, e) is `dense[16 n + j, 32 k + 2 p + e]`."""
+    n, k = dense.shape
+    return dense.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def keep_dense_copy(layer: nn.Module, dense: torch.Tensor, ops: CpuOps | None = None) -> None:
+    """Give `layer` the bfloat16 copy `dense_matmul` uses (`[out, in]`). With the CPU
+    kernels (`ops`) on an AMX CPU it is kept as their bf16_linear's tiles (`dense_tiles`):
+    float32 out, no casts around it. Else, on the CPU, in oneDNN's blocked layout
+    (`dense_packed`): F.linear on a plain bf16 weight re-packs that weight on every call.
+    SmolLM2's 120 GEMMs at 64 / 256 / 1024 rows: plain 25-27 / 58-68 / 160-242 ms, packed
+    for 256 rows 18.5 / 45 / 154 ms (the default hint's layout lost from 512 rows on;
+    bench/RESULTS.md item 19)."""
+    n, k = dense.shape
+    if ops is not None and ops.bf16_linear_amx() and n % 16 == 0 and k % 32 == 0:
+        layer.register_buffer("dense_tiles", pack_bf16_tiles(dense), persistent=False)
+    elif dense.is_cpu and torch.backends.mkldnn.is_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(dense, DENSE_PACK_ROWS)
         layer.register_buffer("dense_packed", packed, persistent=False)
     else:
@@ -123,7 +135,7 @@ def keep_dense_copy(layer: nn.Module, dense: torch.Tensor) -> None:
 
 
 def drop_dense_copy(layer: nn.Module) -> None:
-    for name in ("dense_packed", "dense_weight"):
+    for name in ("dense_tiles", "dense_packed", "dense_weight"):
         if hasattr(layer, name):
             delattr(layer, name)
 
@@ -133,19 +145,24 @@ def dense_matmul(
     x: torch.Tensor,
     bias: torch.Tensor | None,
     min_rows: int = DENSE_MIN_ROWS,
-    to_dtype: Callable[[torch.Tensor, torch.dtype], torch.Tensor] = torch.Tensor.to,
+    ops: CpuOps | None = None,
 ) -> torch.Tensor | None:
     """`x @ W.T (+ bias)` through the layer's bfloat16 copy of its quantized weight
     (`keep_dense_copy`, kept by gguf where bf16 matmuls are native) when the batch has
     `min_rows` rows or more; None: use the packed kernel. Never under deterministic
     inference: a row's kernel must not depend on how many rows share the call.
-    `to_dtype` casts x in and the result back (the CPU kernels' `cast` where bound)."""
+    `ops`: the CPU kernels, which run the tiles and cast around oneDNN where bound."""
     if layer.batch_invariant or x.numel() < min_rows * x.shape[-1]:
         return None
+    tiles = cast(torch.Tensor | None, getattr(layer, "dense_tiles", None))
+    if tiles is not None and ops is not None:
+        y = ops.bf16_linear(x.reshape(-1, x.shape[-1]), tiles).view(*x.shape[:-1], -1).to(x.dtype)
+        return y if bias is None else y + bias
     packed = cast(torch.Tensor | None, getattr(layer, "dense_packed", None))
     weight = packed if packed is not None else cast(torch.Tensor | None, getattr(layer, "dense_weight", None))
     if weight is None:
         return None
+    to_dtype = ops.cast if ops is not None else torch.Tensor.to
     xb = to_dtype(x, weight.dtype)
     if packed is not None:
         y = torch.ops.mkldnn._linear_pointwise(xb, packed, None, "none", [], "")
