@@ -184,14 +184,25 @@ def test_the_samplers_row_reductions_are_batch_invariant() -> None:
     assert torch.equal(seeded(list(range(33))), alone)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_store_kv_writes_what_the_pools_index_put_writes(cpu_ops: CpuOps, kv_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("round_src", [False, True])
+def test_store_kv_writes_what_the_pools_index_put_writes(cpu_ops: CpuOps, kv_dtype: torch.dtype, round_src: bool) -> None:
     torch.manual_seed(0)
     qkv = torch.randn(5, 960)
+    before = qkv.clone()
     k, v = qkv[:, 576:768].view(5, 3, 64), qkv[:, 768:].view(5, 3, 64)  # strided views, as the model passes them
+    k_in, v_in = k.clone(), v.clone()
     loc = torch.tensor([7, 2, 40, 11, 3])
     k_buf, v_buf = torch.zeros(50, 3, 64, dtype=kv_dtype), torch.zeros(50, 3, 64, dtype=kv_dtype)
-    cpu_ops.store_kv(k_buf, v_buf, loc, k, v)
+    cpu_ops.store_kv(k_buf, v_buf, loc, k, v, round_src=round_src)
     k_ref, v_ref = torch.zeros_like(k_buf), torch.zeros_like(v_buf)
-    k_ref[loc], v_ref[loc] = k.to(kv_dtype), v.to(kv_dtype)
+    k_ref[loc], v_ref[loc] = k_in.to(kv_dtype), v_in.to(kv_dtype)
     assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
+    # round_src: k and v now hold what the cache holds (the values prefill attention
+    # reads), and nothing else of qkv changed; without it they are left alone.
+    if round_src:
+        assert torch.equal(k, k_ref[loc].float()) and torch.equal(v, v_ref[loc].float())
+        assert torch.equal(qkv[:, :576], before[:, :576])
+    else:
+        assert torch.equal(qkv, before)
+    assert round_src == (not torch.equal(qkv, before)) or kv_dtype == torch.float32

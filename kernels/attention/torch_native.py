@@ -125,22 +125,21 @@ class TorchNativeBackend:
         return DecodeAttentionPlan(plan.kv_idx, plan.lens)
 
     @staticmethod
-    def _as_cached(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype, ops: CpuOps | None) -> torch.Tensor:
-        """`x` rounded to the KV cache's dtype and back: what store_kv wrote, without
+    def _as_cached(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+        """`x` rounded to the KV cache's dtype and back: what set_kv wrote, without
         gathering it (a prefill's gathers and casts were ~6 ms of a 128-token prefill)."""
-        if cache_dtype == dtype:
-            return x
-        if ops is not None:
-            return ops.cast(ops.cast(x, cache_dtype), dtype)
-        return x.to(cache_dtype).to(dtype)
+        return x if cache_dtype == dtype else x.to(cache_dtype).to(dtype)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float, fb: AttentionBatch
     ) -> torch.Tensor:
         ops = self._ops if q.device.type == "cpu" else None
         k_buf, v_buf = fb.kv_pool.get_kv(layer_id)
+        # The extends' own k, v must enter SDPA as the cache holds them (_as_cached); the
+        # kernels' write rounds them so in place (the caller's qkv is dead after attention).
+        rounded = ops is not None and bool(self._extends) and k_buf.dtype != k.dtype
         if ops is not None:  # KVPool.set_kv's write, as one pass instead of two index_put calls
-            ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+            ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v, round_src=rounded)
         else:
             fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         pq, plan = self._per_query, self._decode
@@ -158,7 +157,10 @@ class TorchNativeBackend:
             qi = q[rows].transpose(0, 1)[None]  # [1, Hq, L, D]
             if item.kv_idx.numel() == item.length:  # no cached prefix: this call's own k, v,
                 # rounded as the cache holds them (the values the gather below reads back)
-                ki, vi = (self._as_cached(t[rows], k_buf.dtype, q.dtype, ops).transpose(0, 1)[None] for t in (k, v))
+                ki, vi = (
+                    (t[rows] if rounded else self._as_cached(t[rows], k_buf.dtype, q.dtype)).transpose(0, 1)[None]
+                    for t in (k, v)
+                )
             else:
                 ki = k_buf[item.kv_idx].transpose(0, 1).to(q.dtype)[None]  # [1, Hkv, S, D]
                 vi = v_buf[item.kv_idx].transpose(0, 1).to(q.dtype)[None]

@@ -73,7 +73,7 @@ class DecodeStack {
       at::Tensor q = qkv.narrow(1, 0, q_size).view({n, heads_, head_dim_});
       at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, kv_heads_, head_dim_});
       at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads_, head_dim_});
-      store_kv(layer.k_buf, layer.v_buf, loc, k, v);
+      store_kv(layer.k_buf, layer.v_buf, loc, k, v, false);
       at::Tensor o = token_req.has_value()
                          ? paged_attention(q, layer.k_buf, layer.v_buf, kv_idx, *token_req, lens, scale_)
                          : paged_decode(q, layer.k_buf, layer.v_buf, kv_idx, lens, scale_);

@@ -10,7 +10,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 void rotary_(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin_cache, int64_t heads, int64_t head_dim);
 at::Tensor silu_mul(at::Tensor gate_up);
-void store_kv(at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc, at::Tensor k, at::Tensor v);
+void store_kv(at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc, at::Tensor k, at::Tensor v, bool round_src);
 at::Tensor cast(at::Tensor x, at::ScalarType dtype);
 at::Tensor argmax_rows(at::Tensor logits);
 at::Tensor q8_linear(at::Tensor x, at::Tensor qw, at::Tensor scales);
