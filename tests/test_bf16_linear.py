@@ -71,3 +71,16 @@ def test_mismatched_shapes_are_refused(amx_ops: CpuOps) -> None:
         amx_ops.bf16_linear(torch.randn(4, 96), tiles)
     with pytest.raises(RuntimeError, match="packed"):
         amx_ops.bf16_linear(torch.randn(4, 64), torch.randn(32, 64).bfloat16())
+
+
+# I = 16 is one gate and one up block; 48 and 1536 (SmolLM2) several; M as above.
+@pytest.mark.parametrize("M", [1, 17, 33, 300])
+@pytest.mark.parametrize("I,K", [(16, 32), (48, 576), (1536, 576)])
+def test_the_fused_gate_up_activation_has_the_bits_of_silu_mul_over_the_linear(
+    amx_ops: CpuOps, M: int, I: int, K: int
+) -> None:
+    torch.manual_seed(M + I)
+    x, tiles = torch.randn(M, K), pack_bf16_tiles((torch.randn(2 * I, K) * 0.1).bfloat16())
+    fused = amx_ops.bf16_linear_silu_mul(x, tiles)
+    assert fused.shape == (M, I) and fused.dtype == torch.float32
+    assert torch.equal(fused, amx_ops.silu_mul(amx_ops.bf16_linear(x, tiles)))

@@ -81,6 +81,8 @@ class CpuOps(Protocol):
 
     def bf16_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor: ...
 
+    def bf16_linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor: ...
+
 
 def _cpu_flags() -> bytes:
     """The CPU's instruction-set flags: the kernel is built with -march=native, so a

@@ -22,7 +22,7 @@
 // weights are its own) and walks x's rows 32 at a time inside each, so a column block's
 // K x 32 weights (96 KB at K = 1536) come from memory once per chunk of kChunkBytes of x
 // rows (which stay in L2) and from L1/L2 after.
-#include <ATen/ATen.h>
+#include "cpu_common.h"
 
 #include <algorithm>
 #include <cstring>
@@ -62,19 +62,19 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// The 16 RT x 16 CT outputs at y (row stride N) from x's bf16 rows at a (row stride K) and
-// the CT B-tile columns at b. RT, CT in {1, 2}: the tails of M and N (both multiples of 16).
+// The float32 sums of 16 RT rows of x (bf16 at a, row stride K) with the CT 16-output
+// blocks of B tiles at b0 and b1, left in tiles 0-3 (row tile t, block c: tile 2t + c).
+// RT, CT in {1, 2}: the tails of M and N (both multiples of 16).
 template <int RT, int CT>
-void tile_block(const uint16_t* a, const uint16_t* b, float* y, int64_t K, int64_t N) {
+void tile_sums(const uint16_t* a, const uint16_t* b0, const uint16_t* b1, int64_t K) {
   const int64_t tiles = K / kTileK, stride_a = K * 2;
-  const uint16_t* b1 = b + tiles * kTileElems;  // the next 16 outputs' tiles
   _tile_zero(0);
   if constexpr (CT == 2) _tile_zero(1);
   if constexpr (RT == 2) _tile_zero(2);
   if constexpr (RT == 2 && CT == 2) _tile_zero(3);
   for (int64_t k = 0; k < tiles; ++k) {
     _tile_loadd(4, a + kTileK * k, stride_a);
-    _tile_loadd(6, b + kTileElems * k, 64);
+    _tile_loadd(6, b0 + kTileElems * k, 64);
     if constexpr (RT == 2) _tile_loadd(5, a + 16 * K + kTileK * k, stride_a);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (RT == 2) _tile_dpbf16ps(2, 5, 6);
@@ -84,10 +84,41 @@ void tile_block(const uint16_t* a, const uint16_t* b, float* y, int64_t K, int64
       if constexpr (RT == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
+}
+
+// y (row stride N) = the sums: 16 RT rows x 16 CT outputs.
+template <int RT, int CT>
+void tile_block(const uint16_t* a, const uint16_t* b0, const uint16_t* b1, float* y, int64_t K, int64_t N) {
+  tile_sums<RT, CT>(a, b0, b1, K);
   _tile_stored(0, y, N * 4);
   if constexpr (CT == 2) _tile_stored(1, y + kTileN, N * 4);
   if constexpr (RT == 2) _tile_stored(2, y + 16 * N, N * 4);
   if constexpr (RT == 2 && CT == 2) _tile_stored(3, y + 16 * N + kTileN, N * 4);
+}
+
+// y (row stride I) = silu(gate) * up for 16 RT rows x 16 outputs, gate's sums from the
+// block at b0 and up's from b1: fused_ops.cpp silu_mul's float32 arithmetic, the same
+// vector ops lane for lane, so the same bits as silu_mul over bf16_linear's output.
+template <int RT>
+void gated_block(const uint16_t* a, const uint16_t* b0, const uint16_t* b1, float* y, int64_t K, int64_t I) {
+  using Vec = at::vec::Vectorized<float>;
+  tile_sums<RT, 2>(a, b0, b1, K);
+  alignas(64) float gate[RT][16 * 16], up[RT][16 * 16];
+  _tile_stored(0, gate[0], 64);
+  _tile_stored(1, up[0], 64);
+  if constexpr (RT == 2) {
+    _tile_stored(2, gate[1], 64);
+    _tile_stored(3, up[1], 64);
+  }
+  for (int t = 0; t < RT; ++t) {
+    for (int r = 0; r < 16; ++r) {
+      float* yr = y + (16 * t + r) * I;
+      for (int j = 0; j < 16; j += Vec::size()) {
+        const Vec g = Vec::loadu(gate[t] + 16 * r + j);
+        (g / (Vec(1.f) + g.neg().exp()) * Vec::loadu(up[t] + 16 * r + j)).store(yr + j);
+      }
+    }
+  }
 }
 
 // Rows [begin, end) of float32 x rounded to bf16 (round to nearest even, as torch's cast).
@@ -119,20 +150,23 @@ bool bf16_linear_amx() {
 #endif
 }
 
-at::Tensor bf16_linear(at::Tensor x, at::Tensor packed) {
+namespace {
+
+void check_operands(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(bf16_linear_amx(), "bf16_linear needs AMX-BF16 (bf16_linear_amx())");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x: float32 or bfloat16 [M, K]");
   TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == 16 &&
                   packed.size(3) == kTileN && packed.size(4) == 2 && packed.is_contiguous(),
               "packed: bfloat16 [N / 16, K / 32, 16, 16, 2] (pack_bf16_tiles)");
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kTileN;
-  TORCH_CHECK(packed.size(1) * kTileK == K, "packed's K must be x's");
-  auto y = at::empty({(M + 15) / 16 * 16, N}, x.options().dtype(at::kFloat));
+  TORCH_CHECK(packed.size(1) * kTileK == x.size(1), "packed's K must be x's");
+}
+
 #if defined(BF16_AMX)
-  const int64_t Mp = y.size(0);
+// x in bf16, its rows padded with zeros to Mp (a multiple of 16: whole tiles).
+at::Tensor rounded_rows(at::Tensor x, int64_t Mp) {
   x = x.contiguous();
-  // x in bf16, its rows padded with zeros to a multiple of 16 (whole tiles).
+  const int64_t M = x.size(0), K = x.size(1);
   auto a = at::empty({Mp, K}, x.options().dtype(at::kBFloat16));
   uint16_t* ap = reinterpret_cast<uint16_t*>(a.data_ptr());
   if (Mp > M) std::memset(ap + M * K, 0, (Mp - M) * K * 2);
@@ -142,30 +176,72 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed) {
     const float* xp = x.data_ptr<float>();
     sluice::parallel_for(M, 16, [&](int64_t begin, int64_t end) { round_rows(xp, ap, K, begin, end); });
   }
-  const uint16_t* bp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  float* yp = y.data_ptr<float>();
-  const int64_t pairs = (N / kTileN + 1) / 2, tiles = K / kTileK;
+  return a;
+}
+
+// f(r, p, r1) over each thread's column units [begin, end) of `units`, for rows r in
+// steps of 32 below r1, x's rows taken in chunks of kChunkBytes.
+template <typename F>
+void walk(int64_t Mp, int64_t K, int64_t units, const F& f) {
   const int64_t chunk = std::max<int64_t>(32, kChunkBytes / (K * 2) / 32 * 32);
-  sluice::parallel_for(pairs, 1, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(units, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     for (int64_t r0 = 0; r0 < Mp; r0 += chunk) {
       const int64_t r1 = std::min(Mp, r0 + chunk);
       for (int64_t p = begin; p < end; ++p) {
-        const int64_t n = 2 * kTileN * p;
-        const uint16_t* b = bp + 2 * p * tiles * kTileElems;
-        const bool two = n + kTileN < N;
-        for (int64_t r = r0; r < r1; r += 32) {
-          const uint16_t* ar = ap + r * K;
-          float* yr = yp + r * N + n;
-          if (r + 16 < r1) {
-            two ? tile_block<2, 2>(ar, b, yr, K, N) : tile_block<2, 1>(ar, b, yr, K, N);
-          } else {
-            two ? tile_block<1, 2>(ar, b, yr, K, N) : tile_block<1, 1>(ar, b, yr, K, N);
-          }
-        }
+        for (int64_t r = r0; r < r1; r += 32) f(r, p, r1);
       }
     }
     _tile_release();
+  });
+}
+#endif
+
+}  // namespace
+
+at::Tensor bf16_linear(at::Tensor x, at::Tensor packed) {
+  check_operands(x, packed);
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kTileN;
+  auto y = at::empty({(M + 15) / 16 * 16, N}, x.options().dtype(at::kFloat));
+#if defined(BF16_AMX)
+  const int64_t Mp = y.size(0), tiles = K / kTileK, block = tiles * kTileElems;
+  const auto a = rounded_rows(x, Mp);
+  const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr());
+  const uint16_t* bp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  float* yp = y.data_ptr<float>();
+  // Unit p: outputs [32 p, 32 p + 32), two 16-output blocks (one at N's tail).
+  walk(Mp, K, (N / kTileN + 1) / 2, [&](int64_t r, int64_t p, int64_t r1) {
+    const uint16_t *ar = ap + r * K, *b0 = bp + 2 * p * block, *b1 = b0 + block;
+    float* yr = yp + r * N + 2 * kTileN * p;
+    const bool two = 2 * kTileN * p + kTileN < N;
+    if (r + 16 < r1) {
+      two ? tile_block<2, 2>(ar, b0, b1, yr, K, N) : tile_block<2, 1>(ar, b0, b1, yr, K, N);
+    } else {
+      two ? tile_block<1, 2>(ar, b0, b1, yr, K, N) : tile_block<1, 1>(ar, b0, b1, yr, K, N);
+    }
+  });
+#endif
+  return y.narrow(0, 0, M);
+}
+
+// silu(gate) * up, float32 [M, I], from a gate|up layer's tiles (N = 2 I, gate's outputs
+// first): the MLP's first half in one call, without its [M, 2 I] output or a pass over it.
+at::Tensor bf16_linear_silu_mul(at::Tensor x, at::Tensor packed) {
+  check_operands(x, packed);
+  TORCH_CHECK(packed.size(0) % 2 == 0, "packed: gate|up, an even number of 16-output blocks");
+  const int64_t M = x.size(0), K = x.size(1), I = packed.size(0) / 2 * kTileN;
+  auto y = at::empty({(M + 15) / 16 * 16, I}, x.options().dtype(at::kFloat));
+#if defined(BF16_AMX)
+  const int64_t Mp = y.size(0), tiles = K / kTileK, block = tiles * kTileElems;
+  const auto a = rounded_rows(x, Mp);
+  const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr());
+  const uint16_t* bp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  float* yp = y.data_ptr<float>();
+  // Unit p: outputs [16 p, 16 p + 16) of the activation, from gate block p and up block p + I / 16.
+  walk(Mp, K, I / kTileN, [&](int64_t r, int64_t p, int64_t r1) {
+    const uint16_t *ar = ap + r * K, *b0 = bp + p * block, *b1 = b0 + I / kTileN * block;
+    float* yr = yp + r * I + kTileN * p;
+    r + 16 < r1 ? gated_block<2>(ar, b0, b1, yr, K, I) : gated_block<1>(ar, b0, b1, yr, K, I);
   });
 #endif
   return y.narrow(0, 0, M);

@@ -28,5 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release_gil());
   m.def("bf16_linear_amx", &bf16_linear_amx, "bf16_linear runs here (AMX-BF16, tile state granted)");
   m.def("bf16_linear", &bf16_linear, "x @ W.T in float32 from bf16 operands (W: pack_bf16_tiles)", release_gil());
+  m.def("bf16_linear_silu_mul", &bf16_linear_silu_mul, "silu(gate) * up from a gate|up layer's bf16_linear tiles",
+        release_gil());
   m.def("q8_linear", &q8_linear, "x @ W.T with W in int8 blocks of 32", release_gil());
 }

@@ -19,3 +19,4 @@ at::Tensor q4_linear(at::Tensor x, at::Tensor packed);
 at::Tensor q8_linear_vnni(at::Tensor x, at::Tensor packed);
 bool bf16_linear_amx();
 at::Tensor bf16_linear(at::Tensor x, at::Tensor packed);
+at::Tensor bf16_linear_silu_mul(at::Tensor x, at::Tensor packed);

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from runtime.layers.quantization.q4q8 import Q4Q8LinearMethod
 
 if TYPE_CHECKING:
     from kernels.cpu import CpuOps
@@ -27,8 +28,12 @@ class SiluAndMulMLP(nn.Module):
         self.ops: CpuOps | None = None  # set by runtime.models.cpu_path.bind_cpu_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.ops is not None:  # one pass over [T, 2 * intermediate], no chunk views
-            return self.down_proj(self.ops.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
+        if self.ops is not None:
+            method = self.gate_up_proj.quant_method
+            # Prefill on AMX: the activation straight from gate|up's tiles (q4q8.silu_mul_dense).
+            act = method.silu_mul_dense(self.gate_up_proj, x) if isinstance(method, Q4Q8LinearMethod) else None
+            if act is None:  # one pass over [T, 2 * intermediate], no chunk views
+                act = self.ops.silu_mul(self.gate_up_proj(x))
+            return self.down_proj(act)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -91,6 +91,16 @@ class Q4Q8LinearMethod(UnquantizedLinearMethod):
         out = out.view(*x.shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
 
+    def silu_mul_dense(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
+        """`silu(gate) * up` of a gate|up layer in one call on its bf16_linear tiles (the
+        bits of silu_mul over the layer's dense output, without that [T, 2 I] output)
+        where `apply` would take the dense path; else None."""
+        tiles = cast(torch.Tensor | None, getattr(layer, "dense_tiles", None))
+        if tiles is None or layer.bias is not None or layer.batch_invariant or x.numel() < DENSE_MIN_ROWS * x.shape[-1]:
+            return None
+        out = self.ops.bf16_linear_silu_mul(x.reshape(-1, x.shape[-1]), tiles).to(x.dtype)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
     def dequantize(self, layer: LinearBase) -> torch.Tensor:
         """The float32 weight `[out, in]` the layer computes with (`d * q + m`, exact)."""
         q, d, m = unpack_q4(cast(torch.Tensor, layer.q4_weight))
