@@ -179,21 +179,29 @@ at::Tensor rounded_rows(at::Tensor x, int64_t Mp) {
   return a;
 }
 
-// f(r, p, r1) over each thread's column units [begin, end) of `units`, for rows r in
-// steps of 32 below r1, x's rows taken in chunks of kChunkBytes.
+// float32 y [M, width] = f over each thread's column units [begin, end) of `units` and x's
+// rows (rounded to bf16) in steps of 32, taken in chunks of kChunkBytes that stay in L2:
+// f(x's bf16 rows at the step, the tiles, y's rows at the step, unit, two 16-row tiles?).
 template <typename F>
-void walk(int64_t Mp, int64_t K, int64_t units, const F& f) {
-  const int64_t chunk = std::max<int64_t>(32, kChunkBytes / (K * 2) / 32 * 32);
+at::Tensor walk(const at::Tensor& x, const at::Tensor& packed, int64_t width, int64_t units, const F& f) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = at::empty({(M + 15) / 16 * 16, width}, x.options().dtype(at::kFloat));
+  const int64_t Mp = y.size(0), chunk = std::max<int64_t>(32, kChunkBytes / (K * 2) / 32 * 32);
+  const auto a = rounded_rows(x, Mp);
+  const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr());
+  const uint16_t* bp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  float* yp = y.data_ptr<float>();
   sluice::parallel_for(units, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     for (int64_t r0 = 0; r0 < Mp; r0 += chunk) {
       const int64_t r1 = std::min(Mp, r0 + chunk);
       for (int64_t p = begin; p < end; ++p) {
-        for (int64_t r = r0; r < r1; r += 32) f(r, p, r1);
+        for (int64_t r = r0; r < r1; r += 32) f(ap + r * K, bp, yp + r * width, p, r + 16 < r1);
       }
     }
     _tile_release();
   });
+  return y.narrow(0, 0, M);
 }
 #endif
 
@@ -201,27 +209,23 @@ void walk(int64_t Mp, int64_t K, int64_t units, const F& f) {
 
 at::Tensor bf16_linear(at::Tensor x, at::Tensor packed) {
   check_operands(x, packed);
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kTileN;
-  auto y = at::empty({(M + 15) / 16 * 16, N}, x.options().dtype(at::kFloat));
 #if defined(BF16_AMX)
-  const int64_t Mp = y.size(0), tiles = K / kTileK, block = tiles * kTileElems;
-  const auto a = rounded_rows(x, Mp);
-  const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr());
-  const uint16_t* bp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  float* yp = y.data_ptr<float>();
+  const int64_t N = packed.size(0) * kTileN, K = x.size(1), block = K / kTileK * kTileElems;
   // Unit p: outputs [32 p, 32 p + 32), two 16-output blocks (one at N's tail).
-  walk(Mp, K, (N / kTileN + 1) / 2, [&](int64_t r, int64_t p, int64_t r1) {
-    const uint16_t *ar = ap + r * K, *b0 = bp + 2 * p * block, *b1 = b0 + block;
-    float* yr = yp + r * N + 2 * kTileN * p;
-    const bool two = 2 * kTileN * p + kTileN < N;
-    if (r + 16 < r1) {
-      two ? tile_block<2, 2>(ar, b0, b1, yr, K, N) : tile_block<2, 1>(ar, b0, b1, yr, K, N);
-    } else {
-      two ? tile_block<1, 2>(ar, b0, b1, yr, K, N) : tile_block<1, 1>(ar, b0, b1, yr, K, N);
-    }
-  });
+  return walk(x, packed, N, (N / kTileN + 1) / 2,
+              [&](const uint16_t* a, const uint16_t* b, float* y, int64_t p, bool two_rows) {
+                const uint16_t *b0 = b + 2 * p * block, *b1 = b0 + block;
+                y += 2 * kTileN * p;
+                const bool two = 2 * kTileN * p + kTileN < N;
+                if (two_rows) {
+                  two ? tile_block<2, 2>(a, b0, b1, y, K, N) : tile_block<2, 1>(a, b0, b1, y, K, N);
+                } else {
+                  two ? tile_block<1, 2>(a, b0, b1, y, K, N) : tile_block<1, 1>(a, b0, b1, y, K, N);
+                }
+              });
+#else
+  return at::Tensor();  // not reached: check_operands refuses without AMX
 #endif
-  return y.narrow(0, 0, M);
 }
 
 // silu(gate) * up, float32 [M, I], from a gate|up layer's tiles (N = 2 I, gate's outputs
@@ -229,20 +233,15 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed) {
 at::Tensor bf16_linear_silu_mul(at::Tensor x, at::Tensor packed) {
   check_operands(x, packed);
   TORCH_CHECK(packed.size(0) % 2 == 0, "packed: gate|up, an even number of 16-output blocks");
-  const int64_t M = x.size(0), K = x.size(1), I = packed.size(0) / 2 * kTileN;
-  auto y = at::empty({(M + 15) / 16 * 16, I}, x.options().dtype(at::kFloat));
 #if defined(BF16_AMX)
-  const int64_t Mp = y.size(0), tiles = K / kTileK, block = tiles * kTileElems;
-  const auto a = rounded_rows(x, Mp);
-  const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr());
-  const uint16_t* bp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  float* yp = y.data_ptr<float>();
+  const int64_t I = packed.size(0) / 2 * kTileN, K = x.size(1), block = K / kTileK * kTileElems;
   // Unit p: outputs [16 p, 16 p + 16) of the activation, from gate block p and up block p + I / 16.
-  walk(Mp, K, I / kTileN, [&](int64_t r, int64_t p, int64_t r1) {
-    const uint16_t *ar = ap + r * K, *b0 = bp + p * block, *b1 = b0 + I / kTileN * block;
-    float* yr = yp + r * I + kTileN * p;
-    r + 16 < r1 ? gated_block<2>(ar, b0, b1, yr, K, I) : gated_block<1>(ar, b0, b1, yr, K, I);
+  return walk(x, packed, I, I / kTileN, [&](const uint16_t* a, const uint16_t* b, float* y, int64_t p, bool two_rows) {
+    const uint16_t *b0 = b + p * block, *b1 = b0 + I / kTileN * block;
+    y += kTileN * p;
+    two_rows ? gated_block<2>(a, b0, b1, y, K, I) : gated_block<1>(a, b0, b1, y, K, I);
   });
+#else
+  return at::Tensor();  // not reached: check_operands refuses without AMX
 #endif
-  return y.narrow(0, 0, M);
 }
