@@ -165,7 +165,8 @@ class GgufLinearMethod(UnquantizedLinearMethod):
                 layer.scales_and_zeros = nn.Parameter(scales_and_zeros.to(self.device), requires_grad=False)
                 method = Int4LinearMethod(BLOCK) if count == 1 else Int4PlanesLinearMethod(count)
             if native_bf16_matmul(self.device):  # prefill and big batches: see int4.dense_matmul
-                ops = self.q4_ops if isinstance(method, Q4Q8LinearMethod) else None  # holds them
+                # the kernels' tiles only for a method that runs them (q4q8 holds the kernels)
+                ops = self.q4_ops if isinstance(method, Q4Q8LinearMethod) else None
                 keep_dense_copy(layer, dense_bf16(planes).to(self.device), ops)
         else:
             weight = torch.empty(n, k, dtype=self.dtype, device=self.device)

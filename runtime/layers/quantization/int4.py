@@ -12,6 +12,7 @@ to bfloat16 in and the output back to the input dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar, NamedTuple, cast
 
 import torch
@@ -140,6 +141,20 @@ def drop_dense_copy(layer: nn.Module) -> None:
             delattr(layer, name)
 
 
+def _takes_dense(layer: LinearBase, x: torch.Tensor, min_rows: int) -> bool:
+    """The dense copy serves x: `min_rows` rows or more, and not under deterministic
+    inference (a row's kernel must not depend on how many rows share the call)."""
+    return not layer.batch_invariant and x.numel() >= min_rows * x.shape[-1]
+
+
+def _on_rows(
+    kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, tiles: torch.Tensor
+) -> torch.Tensor:
+    """A tile kernel over x's rows `[..., K]`: out `[..., width]` in x's dtype."""
+    y = kernel(x.reshape(-1, x.shape[-1]), tiles)
+    return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+
 def dense_matmul(
     layer: LinearBase,
     x: torch.Tensor,
@@ -152,11 +167,11 @@ def dense_matmul(
     `min_rows` rows or more; None: use the packed kernel. Never under deterministic
     inference: a row's kernel must not depend on how many rows share the call.
     `ops`: the CPU kernels, which run the tiles and cast around oneDNN where bound."""
-    if layer.batch_invariant or x.numel() < min_rows * x.shape[-1]:
+    if not _takes_dense(layer, x, min_rows):
         return None
     tiles = cast(torch.Tensor | None, getattr(layer, "dense_tiles", None))
     if tiles is not None and ops is not None:
-        y = ops.bf16_linear(x.reshape(-1, x.shape[-1]), tiles).view(*x.shape[:-1], -1).to(x.dtype)
+        y = _on_rows(ops.bf16_linear, x, tiles)
         return y if bias is None else y + bias
     packed = cast(torch.Tensor | None, getattr(layer, "dense_packed", None))
     weight = packed if packed is not None else cast(torch.Tensor | None, getattr(layer, "dense_weight", None))
@@ -170,6 +185,16 @@ def dense_matmul(
         y = torch.nn.functional.linear(xb, weight)
     out = to_dtype(y, x.dtype)
     return out if bias is None else out + bias
+
+
+def dense_silu_mul(layer: LinearBase, x: torch.Tensor, min_rows: int, ops: CpuOps) -> torch.Tensor | None:
+    """`silu(gate) * up` of a gate|up layer in one call on its tiles (the bits of silu_mul
+    over dense_matmul's output, without that [T, 2 I] output) exactly where dense_matmul
+    would run them; else None."""
+    tiles = cast(torch.Tensor | None, getattr(layer, "dense_tiles", None))
+    if tiles is None or layer.bias is not None or not _takes_dense(layer, x, min_rows):
+        return None
+    return _on_rows(ops.bf16_linear_silu_mul, x, tiles)
 
 
 class Int4LinearMethod(UnquantizedLinearMethod):

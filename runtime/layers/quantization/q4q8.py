@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, cast
 import torch
 
 from runtime.layers.linear import UnquantizedLinearMethod
-from runtime.layers.quantization.int4 import dense_matmul
+from runtime.layers.quantization.int4 import dense_matmul, dense_silu_mul
 
 if TYPE_CHECKING:
     from kernels.cpu import CpuOps
@@ -92,14 +92,9 @@ class Q4Q8LinearMethod(UnquantizedLinearMethod):
         return out if bias is None else out + bias
 
     def silu_mul_dense(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
-        """`silu(gate) * up` of a gate|up layer in one call on its bf16_linear tiles (the
-        bits of silu_mul over the layer's dense output, without that [T, 2 I] output)
-        where `apply` would take the dense path; else None."""
-        tiles = cast(torch.Tensor | None, getattr(layer, "dense_tiles", None))
-        if tiles is None or layer.bias is not None or layer.batch_invariant or x.numel() < DENSE_MIN_ROWS * x.shape[-1]:
-            return None
-        out = self.ops.bf16_linear_silu_mul(x.reshape(-1, x.shape[-1]), tiles).to(x.dtype)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        """`silu(gate) * up` of a gate|up layer straight from its tiles where `apply` would
+        take the dense path (int4.dense_silu_mul); else None."""
+        return dense_silu_mul(layer, x, DENSE_MIN_ROWS, self.ops)
 
     def dequantize(self, layer: LinearBase) -> torch.Tensor:
         """The float32 weight `[out, in]` the layer computes with (`d * q + m`, exact)."""
