@@ -19,6 +19,33 @@ from __future__ import annotations
 import argparse
 import glob
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from kernels.cpu import CpuOps
+
+
+class PinnedIsa:
+    """The CPU kernels with bf16_linear pinned to one ISA, or to none (every other kernel as is)."""
+
+    def __init__(self, ops: "CpuOps", isa: str) -> None:
+        if isa != "none" and isa not in ops.bf16_linear_isas():
+            raise SystemExit(f"--bf16-isa {isa}: this CPU offers {ops.bf16_linear_isas()}")
+        self._ops, self._isa = ops, isa
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._ops, name)
+
+    def bf16_linear_isas(self) -> list[str]:
+        return [] if self._isa == "none" else [self._isa]
+
+    def bf16_linear(self, x: "torch.Tensor", packed: "torch.Tensor") -> "torch.Tensor":
+        return self._ops.bf16_linear(x, packed, self._isa)
+
+    def bf16_linear_silu_mul(self, x: "torch.Tensor", packed: "torch.Tensor") -> "torch.Tensor":
+        return self._ops.bf16_linear_silu_mul(x, packed, self._isa)
 
 
 def main() -> None:
@@ -37,6 +64,8 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=24, help="128-token windows of docs text.")
     parser.add_argument("--modes", nargs="+", choices=["default", "int4", "kv", "bf16"], default=["default", "int4", "kv", "bf16"])
     parser.add_argument("--kv-cache-dtypes", nargs="*", default=["float16", "bfloat16"], help="Narrow KV caches to try.")
+    parser.add_argument("--bf16-isa", default="", help="Pin the dense path's kernel to one of bf16_linear_isas() "
+                        "(avx512-bf16 on an AMX CPU: what CPUs without AMX get), or none: oneDNN's bf16 copy.")
     args = parser.parse_args()
     root = Path(__file__).resolve().parent.parent
     model_dir = prepare_model_dir(None, "auto")
@@ -44,6 +73,8 @@ def main() -> None:
     ids = AutoTokenizer.from_pretrained(model_dir).encode(text)
     windows = [ids[i : i + 128] for i in range(0, min(len(ids) - 127, args.windows * 128), 128)]
     ops = load_cpu_ops()
+    if ops is not None and args.bf16_isa:
+        ops = PinnedIsa(ops, args.bf16_isa)
 
     def logits(model: torch.nn.Module, config: ModelConfig) -> torch.Tensor:
         return teacher_forced(model, config, windows)

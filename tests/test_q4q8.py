@@ -104,13 +104,13 @@ def test_a_gguf_layer_packs_the_files_blocks_exactly_and_computes_with_them(cpu_
     with torch.no_grad():
         y = layer(x)
     assert y.dtype == x.dtype and rel_err(y, x @ reference(weight).T) < 2e-4  # bf16 activations: ~3e-3
-    # A prefill-sized batch goes through the bfloat16 copy: on AMX as the kernels' tiles,
+    # A prefill-sized batch goes through the bfloat16 copy: with AMX or AVX512-BF16 as the kernels' tiles,
     # float32 out (the bf16 operands' exact products summed in float32); else in oneDNN's
     # blocked layout (re-packed per call otherwise), whose output is rounded to bf16.
     big = torch.randn(DENSE_MIN_ROWS + 9, 576)
     with torch.no_grad():
         y = layer(big)
-    assert hasattr(layer, "dense_tiles") == cpu_ops.bf16_linear_amx()
+    assert hasattr(layer, "dense_tiles") == bool(cpu_ops.bf16_linear_isas())
     if hasattr(layer, "dense_tiles"):
         exact = big.bfloat16().double() @ reference(weight).bfloat16().double().T
         torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-6)

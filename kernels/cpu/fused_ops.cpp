@@ -201,7 +201,7 @@ void store_kv(at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc, at::Tensor k, 
 // x cast to dtype (float32 <-> bfloat16 / float16, torch's round-to-nearest-even) on the
 // kernels' own threads: as torch ops on the engine's worker thread, each cast is an
 // OpenMP region whose sleeping helper must be woken (~70 us). Two per linear layer of a
-// prefill through oneDNN's bfloat16 copies (CPUs without AMX; bf16_linear needs none).
+// prefill through oneDNN's bfloat16 copies (CPUs without AVX512-BF16; bf16_linear needs none).
 at::Tensor cast(at::Tensor x, at::ScalarType dtype) {
   if (x.scalar_type() == dtype) return x;
   x = x.contiguous();

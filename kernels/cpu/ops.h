@@ -3,6 +3,9 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <string>
+#include <vector>
+
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_idx, at::Tensor token_req,
                            at::Tensor lens, double scale);
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_idx, at::Tensor lens, double scale);
@@ -17,6 +20,6 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor qw, at::Tensor scales);
 bool q4_linear_vnni();
 at::Tensor q4_linear(at::Tensor x, at::Tensor packed);
 at::Tensor q8_linear_vnni(at::Tensor x, at::Tensor packed);
-bool bf16_linear_amx();
-at::Tensor bf16_linear(at::Tensor x, at::Tensor packed);
-at::Tensor bf16_linear_silu_mul(at::Tensor x, at::Tensor packed);
+std::vector<std::string> bf16_linear_isas();
+at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, const std::string& isa);
+at::Tensor bf16_linear_silu_mul(at::Tensor x, at::Tensor packed, const std::string& isa);

@@ -268,5 +268,8 @@ def load_model(
     model.load_weights(weights)
     forms = quantize_linear_layers(model, quantization)
     if quantization == "gguf":
-        log.info("GGUF blocks loaded into the linear layers", gguf=str(gguf_path), layers=dict(forms), seconds=round(time.monotonic() - start, 2))
+        # What batches of DENSE_MIN_ROWS rows or more (prefill) run on: the kernels' bf16 tiles or oneDNN.
+        isas = cpu_ops.bf16_linear_isas() if cpu_ops is not None and device == "cpu" else []
+        log.info("GGUF blocks loaded into the linear layers", gguf=str(gguf_path), layers=dict(forms),
+                 dense_path=isas[0] if isas else "torch", seconds=round(time.monotonic() - start, 2))  # fmt: skip
     return model.eval()

@@ -119,14 +119,14 @@ def pack_bf16_tiles(dense: torch.Tensor) -> torch.Tensor:
 
 def keep_dense_copy(layer: nn.Module, dense: torch.Tensor, ops: CpuOps | None = None) -> None:
     """Give `layer` the bfloat16 copy `dense_matmul` uses (`[out, in]`). With the CPU
-    kernels (`ops`) on an AMX CPU it is kept as their bf16_linear's tiles (`dense_tiles`):
-    float32 out, no casts around it. Else, on the CPU, in oneDNN's blocked layout
+    kernels (`ops`) on a CPU with AMX-BF16 or AVX512-BF16 it is kept as their bf16_linear's
+    tiles (`dense_tiles`): float32 out, no casts around it. Else, on the CPU, in oneDNN's blocked layout
     (`dense_packed`): F.linear on a plain bf16 weight re-packs that weight on every call.
     SmolLM2's 120 GEMMs at 64 / 256 / 1024 rows: plain 25-27 / 58-68 / 160-242 ms, packed
     for 256 rows 18.5 / 45 / 154 ms (the default hint's layout lost from 512 rows on;
     bench/RESULTS.md item 19)."""
     n, k = dense.shape
-    if ops is not None and ops.bf16_linear_amx() and n % 16 == 0 and k % 32 == 0:
+    if ops is not None and ops.bf16_linear_isas() and n % 16 == 0 and k % 32 == 0:
         layer.register_buffer("dense_tiles", pack_bf16_tiles(dense), persistent=False)
     elif dense.is_cpu and torch.backends.mkldnn.is_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(dense, DENSE_PACK_ROWS)

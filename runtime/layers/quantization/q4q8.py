@@ -13,8 +13,8 @@ one int8 plane (llama.cpp's Q8_1 activations) lost 4 points.
 At a few rows the step reads 4.5 bits a weight (memory-bound where torch's int4
 kernel is compute-bound); at 16 rows the kernel runs at the VNNI units' rate. For
 big batches (prefill) a layer also keeps a bfloat16 copy, as the int4 path does
-(int4.dense_matmul), from DENSE_MIN_ROWS rows on: on AMX as the kernels' bf16_linear
-tiles, with float32 sums and output.
+(int4.dense_matmul), from DENSE_MIN_ROWS rows on: as the kernels' bf16_linear tiles
+(AMX or AVX512-BF16), with float32 sums and output.
 
 A row's result never depends on the other rows of the call (per-row quantization and
 accumulation order), so the method is batch-invariant as is.
