@@ -31,4 +31,11 @@ inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t 
   for (int64_t j = 0; j < n; ++j) out[j] = static_cast<uint32_t>(bits[j]) << 16;
 }
 
+// The `bytes` of a K/V row slice starting at p into L1, ahead of its use: a sequence's
+// slots are anywhere in the pool (streams decoding together interleave), so the hardware
+// prefetcher cannot follow them.
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(static_cast<const char*>(p) + l, 0, 3);
+}
+
 }  // namespace sluice

@@ -45,6 +45,7 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kTile = 16;     // positions per K tile (and lanes of a partial sum)
 constexpr int64_t kQueries = 16;  // queries of one request per work item
+constexpr int64_t kAhead = 8;     // positions ahead whose K / V rows are prefetched
 
 using sluice::to_float;
 
@@ -147,6 +148,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
     const int64_t width = std::min(kTile, span - t0);
     if (width < kTile) std::fill(dst, dst + tile_size, 0.f);  // lanes past the end: finite
     for (int64_t p = 0; p < width; ++p) {
+      if (t0 + p + kAhead < span) sluice::prefetch_row(kp + idx[t0 + p + kAhead] * row, row * sizeof(KT));
       const float* kr = row_as_float(kp + idx[t0 + p] * row, scratch, row);
       for (int64_t c = 0; c < row; ++c) dst[c * kTile + p] = kr[c];  // dst[(h * D + d) * 16 + p]
     }
@@ -228,6 +230,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
       } else {
         vf.resize(span * row);
         for (int64_t p = 0; p < span; ++p) {
+          if (p + kAhead < span) sluice::prefetch_row(vp + idx[p + kAhead] * row, row * sizeof(KT));
           to_float(vp + idx[p] * row, vf.data() + p * row, row);
           vrows[p] = vf.data() + p * row;
         }

@@ -125,12 +125,9 @@ constexpr int64_t kMaxVecs = 16;  // G * D / 16 accumulators in registers (SmolL
 constexpr int64_t kMinSpan = 32;  // positions a span is worth splitting for
 constexpr int64_t kAhead = 8;     // positions ahead whose K / V rows are prefetched
 
-// The row slice `p` (`bytes` long) into L1: the slots of a sequence are anywhere in the
-// pool, so the hardware prefetcher cannot follow them (bs 16's attention, 48 MB of KV a
-// step at 130-token contexts, is past this machine's L3 share).
-inline void prefetch_row(const void* p, int64_t bytes) {
-  for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(static_cast<const char*>(p) + l, _MM_HINT_T0);
-}
+// (sluice::prefetch_row: bs 16's attention, 48 MB of KV a step at 130-token contexts, is
+// past this machine's L3 share.)
+using sluice::prefetch_row;
 
 // One span [t0, t1) of sequence i against kv head h: part = {max, exp-sum, G x D sums}
 // per query head. G * D / 16 <= kMaxVecs, D % 16 == 0 (checked by the caller).
