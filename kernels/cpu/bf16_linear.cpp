@@ -223,11 +223,14 @@ bool amx_granted() {
 }  // namespace
 
 std::vector<std::string> bf16_linear_isas() {
-  std::vector<std::string> isas;
-  if (amx_granted()) isas.emplace_back("amx-bf16");
+  static const std::vector<std::string> isas = [] {
+    std::vector<std::string> found;
+    if (amx_granted()) found.emplace_back("amx-bf16");
 #if defined(BF16_VEC)
-  isas.emplace_back("avx512-bf16");
+    found.emplace_back("avx512-bf16");
 #endif
+    return found;
+  }();
   return isas;
 }
 
