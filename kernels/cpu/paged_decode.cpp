@@ -131,11 +131,14 @@ using sluice::prefetch_row;
 
 // One span [t0, t1) of sequence i against kv head h: part = {max, exp-sum, G x D sums}
 // per query head. G * D / 16 <= kMaxVecs, D % 16 == 0 (checked by the caller).
-template <typename KT>
+// kG, kDV > 0: G and D / 16 fixed at compile time, so that the loops over them unroll and
+// q and the V sums stay in registers (with runtime counts GCC keeps the sums in memory,
+// a load and a store around every FMA); the same operations in the same order.
+template <typename KT, int64_t kG = 0, int64_t kDV = 0>
 void decode_span(const float* qf, const KT* kp, const KT* vp, const int64_t* idx, int64_t t0, int64_t t1, int64_t row,
-                 int64_t h, int64_t G, int64_t D, std::vector<float>& scores, float* part) {
+                 int64_t h, int64_t G_, int64_t D, std::vector<float>& scores, float* part) {
   using Vec = at::vec::Vectorized<float>;
-  const int64_t dv = D / 16, len = t1 - t0;
+  const int64_t G = kG > 0 ? kG : G_, dv = kDV > 0 ? kDV : D / 16, len = t1 - t0;
   if (static_cast<int64_t>(scores.size()) < G * len) scores.resize(G * len);
   __m512 qv[kMaxVecs];
   for (int64_t j = 0; j < G * dv; ++j) qv[j] = _mm512_loadu_ps(qf + 16 * j);
@@ -207,7 +210,11 @@ void decode_avx512(const Decode<T, KT>& a) {
         continue;
       }
       for (int64_t j = 0; j < G * D; ++j) qf[j] = static_cast<float>(qp[(i * Hq + h * G) * D + j]) * fscale;
-      decode_span<KT>(qf.data(), kp, vp, ip + i * max_len, t0, t1, row, h, G, D, scores, part);
+      // SmolLM2 (3 query heads a kv head) and Llama 3.2 1B (4), head_dim 64; else runtime counts.
+      const auto span = G == 3 && D == 64   ? decode_span<KT, 3, 4>
+                        : G == 4 && D == 64 ? decode_span<KT, 4, 4>
+                                            : decode_span<KT>;
+      span(qf.data(), kp, vp, ip + i * max_len, t0, t1, row, h, G, D, scores, part);
     }
   });
   // Merge the spans of each (sequence, query head): rescale to the common max.
