@@ -59,12 +59,14 @@ def test_cpu_paged_decode_takes_a_cache_of_another_dtype_than_a_16_bit_q(q_dtype
 
 
 # One long sequence (its positions split into spans over the threads, then merged), a
-# short one (too short to split), other head layouts (MHA; 4 q heads per kv head; D 128,
-# 32, 48), and a float64 q (the plain loop).
+# short one (too short to split), other head layouts (MHA; 4 q heads per kv head at D 32
+# and at D 64, which has its own compiled span kernel as SmolLM2's 3 at 64 has; D 128, 48),
+# and a float64 q (the plain loop).
 @pytest.mark.parametrize(
     ("lens", "hq", "hkv", "d", "dtype"),
     [([300], 9, 3, 64, torch.float32), ([7], 9, 3, 64, torch.float32), ([64, 1], 8, 8, 128, torch.float32),
-     ([1000], 4, 1, 32, torch.float32), ([33, 90, 2], 6, 2, 48, torch.float32), ([150], 9, 3, 64, torch.float64)],
+     ([1000], 4, 1, 32, torch.float32), ([40, 130], 8, 2, 64, torch.float32), ([33, 90, 2], 6, 2, 48, torch.float32),
+     ([150], 9, 3, 64, torch.float64)],
 )  # fmt: skip
 @pytest.mark.parametrize("threads", [1, 2])
 def test_cpu_paged_decode_splits_a_long_sequence_and_handles_every_head_layout(
