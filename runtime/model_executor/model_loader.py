@@ -35,6 +35,7 @@ from runtime.layers.quantization import (
     prepare_linear_layers,
     quantize_linear_layers,
 )
+from runtime.layers.quantization.gguf import dense_path
 from runtime.layers.weights import LazyWeight
 from runtime.model_config import ModelConfig
 from runtime.model_executor.weight_utils import (
@@ -268,8 +269,6 @@ def load_model(
     model.load_weights(weights)
     forms = quantize_linear_layers(model, quantization)
     if quantization == "gguf":
-        # What batches of DENSE_MIN_ROWS rows or more (prefill) run on: the kernels' bf16 tiles or oneDNN.
-        isas = cpu_ops.bf16_linear_isas() if cpu_ops is not None and device == "cpu" else []
         log.info("GGUF blocks loaded into the linear layers", gguf=str(gguf_path), layers=dict(forms),
-                 dense_path=isas[0] if isas else "torch", seconds=round(time.monotonic() - start, 2))  # fmt: skip
+                 dense_path=dense_path(torch.device(device), cpu_ops), seconds=round(time.monotonic() - start, 2))  # fmt: skip
     return model.eval()

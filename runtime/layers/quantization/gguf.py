@@ -89,6 +89,15 @@ def native_bf16_matmul(device: torch.device) -> bool:
     return device.type == "cpu" and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
+def dense_path(device: torch.device, ops: CpuOps | None) -> str:
+    """What packed layers run batches of DENSE_MIN_ROWS rows or more on (logged at load): the
+    kernels' bf16 tiles on one ISA, oneDNN's bf16 copy, or none (the packed kernel for all)."""
+    if not native_bf16_matmul(device):
+        return "none"
+    isas = ops.bf16_linear_isas() if ops is not None else []
+    return isas[0] if isas else "onednn-bf16"
+
+
 def dense_bf16(planes: Int4Planes) -> torch.Tensor:
     """The planes' weight `[N, K]` in bfloat16, from float32 sums (the float64 of
     `Int4Planes.dequantize` would change nothing after the bfloat16 rounding)."""
