@@ -12,6 +12,9 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <cstdint>
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 
 namespace sluice {
 
@@ -37,5 +40,21 @@ inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t 
 inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(static_cast<const char*>(p) + l, 0, 3);
 }
+
+#if defined(CPU_CAPABILITY_AVX512)
+// 16 K/V values widened to float in one vector.
+template <typename KT>
+inline __m512 load16(const KT* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {  // the high half of a float
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+template <>
+inline __m512 load16<at::Half>(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
 
 }  // namespace sluice

@@ -108,18 +108,7 @@ static void decode_kernel(const Decode<T, KT>& a) {
 #if defined(CPU_CAPABILITY_AVX512)
 namespace {
 
-template <typename KT>
-inline __m512 load16(const KT* p);
-template <>
-inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <>
-inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {  // the high half of a float
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-template <>
-inline __m512 load16<at::Half>(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using sluice::load16;
 
 constexpr int64_t kMaxVecs = 16;  // G * D / 16 accumulators in registers (SmolLM2: 3 * 4)
 constexpr int64_t kMinSpan = 32;  // positions a span is worth splitting for
