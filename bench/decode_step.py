@@ -138,7 +138,13 @@ def _layer_state(model: Any) -> list[tuple[Any, Any]]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    engine = make_engine(engine_settings(args, max_running_requests=max(args.batch_size, 1)))
+    # The whole batch prefilled in one forward, as one-batch does: chunked prefills would let
+    # the first requests finish their tokens before the last join, and no decode batch of
+    # batch_size rows would ever run.
+    bs = max(args.batch_size, 1)
+    engine = make_engine(engine_settings(
+        args, max_running_requests=bs, chunked_prefill_size=-1, max_prefill_tokens=max(bs * args.input_len, 16384)
+    ))
     try:
         runner, model = engine.worker, engine.worker.model
         fb = capture_decode_batch(engine, args.batch_size, args.input_len)

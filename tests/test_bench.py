@@ -166,6 +166,18 @@ def test_one_batch_reports_prefill_and_decode(tiny_model: Path) -> None:
         assert r["prefill_latency_s"] > 0 and r["decode_median_latency_s"] > 0 and r["engine_batch_ttft_s"] <= r["total_latency_s"]
 
 
+def test_decode_step_times_a_batch_whose_prompts_exceed_one_prefill_chunk(tiny_model: Path) -> None:
+    """8 x 400 prompt tokens span 4 chunks of the default chunked_prefill_size: chunked, the
+    first requests would finish before the last joined and no 8-row decode batch would run."""
+    from bench import decode_step
+
+    flags = [a for a in ENGINE_FLAGS if a not in ("--max-running-requests", "16")]
+    ns = parse("decode-step", "--model-path", str(tiny_model), *flags, "--batch-size", "8", "--input-len", "400",
+               "--iters", "2", "--rounds", "1", "--variants", "eager", "fused")  # fmt: skip
+    record = decode_step.run(ns)
+    assert record["batch_size"] == 8 and record["eager_median_ms"] > 0 and record["fused_median_ms"] > 0
+
+
 def test_scheduler_overhead_runs_the_real_scheduler_at_each_n(tiny_model: Path) -> None:
     from bench import scheduler_overhead
 
