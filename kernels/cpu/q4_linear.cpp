@@ -43,9 +43,10 @@
 // the same whatever M, the row's position in the tile, or the thread count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include "spin_pool.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -61,13 +62,31 @@ constexpr int64_t kRecord = 320;  // bytes per (block, group): 256 of codes, 32 
 constexpr int64_t kRecord8 = 576;  // Q8: 512 of codes (q + 128), 64 of d (float32); m = -128 d is not stored
 constexpr int64_t kPrefetchAhead = 4096;  // one page: past where the hardware streamer stops
 
-struct QuantRows {  // x as two int8 planes a, b [M, K]; u and u * (256 sum a + sum b) [M, K / 32]
-  std::vector<int8_t> a, b;
-  std::vector<float> u, usum;
+constexpr int64_t kTileRows = 8;  // rows of x a block_tile takes at most (24 of 32 zmm hold its sums)
+
+// x as two int8 planes a, b, laid out for the tiles. Tile t holds rows 8t .. 8t + h - 1
+// (h = 8, or what is left of M in the last tile); its group g, column quad c (columns
+// 4c .. 4c + 3 of the group) and row r hold 8 bytes, a's 4 codes then b's, at
+//   64 * (8t * G + g * h) + 8 * (h * c + r),
+// and its u, u * (256 sum a + sum b) at 8t * G + g * h + r. So every activation a tile's
+// inner loop broadcasts sits at a compile-time offset (h is the tile's R) from one pointer
+// per group; the row-major planes needed a pointer per row, which spilled registers. A
+// one-row tile reads one cache line of activations per group.
+struct QuantRows {
+  std::unique_ptr<int8_t[]> x;
+  std::unique_ptr<float[]> u, usum;
+  int64_t M, G;
+  int64_t height(int64_t row) const { return std::min(kTileRows, M - row / kTileRows * kTileRows); }
+  int64_t at(int64_t row, int64_t g) const {  // u[at], usum[at]
+    return row / kTileRows * kTileRows * G + g * height(row) + row % kTileRows;
+  }
+  int64_t quads(int64_t row, int64_t g) const {  // x[quads + 8 h c]: row's a codes of quad c, then its b codes
+    return 64 * (at(row, g) - row % kTileRows) + 8 * (row % kTileRows);
+  }
 };
 
-// One group of 32 values -> its two planes; returns u and sets usum. The vector and the
-// scalar forms perform the same float operations, so they give the same bits.
+// One group of 32 values -> its two planes a, b (32 codes each); returns u and sets usum.
+// The vector and the scalar forms perform the same float operations, so they give the same bits.
 inline float quantize_group(const float* v, int8_t* a, int8_t* b, float& usum) {
 #if defined(Q4_VNNI)
   const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
@@ -109,66 +128,67 @@ inline float quantize_group(const float* v, int8_t* a, int8_t* b, float& usum) {
 
 QuantRows quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t G = K / kGroup;
-  QuantRows q{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K), std::vector<float>(M * G),
-              std::vector<float>(M * G)};
+  QuantRows q{std::unique_ptr<int8_t[]>(new int8_t[M * G * 64]), std::unique_ptr<float[]>(new float[M * G]),
+              std::unique_ptr<float[]>(new float[M * G]), M, G};
   sluice::parallel_for(M * G, 64, [&](int64_t begin, int64_t end) {
+    int8_t a[kGroup], b[kGroup];
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t at = (i / G) * K + (i % G) * kGroup;
-      q.u[i] = quantize_group(x + at, q.a.data() + at, q.b.data() + at, q.usum[i]);
+      const int64_t row = i / G, g = i % G, at = q.at(row, g);
+      q.u[at] = quantize_group(x + row * K + g * kGroup, a, b, q.usum[at]);
+      int8_t* dst = q.x.get() + q.quads(row, g);
+      const int64_t h = q.height(row);
+      for (int c = 0; c < 8; ++c) {
+        std::memcpy(dst + 8 * h * c, a + 4 * c, 4);
+        std::memcpy(dst + 8 * h * c + 4, b + 4 * c, 4);
+      }
     }
   });
   return q;
 }
 
 #if defined(Q4_VNNI)
-// Q8 (8-bit codes): one 64-byte chunk per column quad, no nibbles to split.
-template <int R>
-inline void q8_dots(const QuantRows& q, int64_t row0, int64_t K, int64_t g, const uint8_t* rec, __m512i* dot_a,
-                    __m512i* dot_b) {
-  for (int c = 0; c < 8; ++c) {
-    const __m512i codes = _mm512_loadu_si512(rec + 64 * c);
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (row0 + r) * K + g * kGroup + 4 * c;
-      int32_t a0, b0;
-      std::memcpy(&a0, q.a.data() + at, 4);
-      std::memcpy(&b0, q.b.data() + at, 4);
-      dot_a[r] = _mm512_dpbusd_epi32(dot_a[r], codes, _mm512_set1_epi32(a0));
-      dot_b[r] = _mm512_dpbusd_epi32(dot_b[r], codes, _mm512_set1_epi32(b0));
-    }
-  }
+// acc += codes (64 unsigned bytes) . the 4 signed bytes at x4, broadcast to every lane. An
+// embedded broadcast ({1to16}): GCC 12 emits a separate vpbroadcastd for
+// _mm512_set1_epi32 of a load, one extra instruction per vpdpbusd in the inner loop.
+inline __m512i dpbusd_bcast(__m512i acc, __m512i codes, const int8_t* x4) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*reinterpret_cast<const int32_t*>(x4)));
+  return acc;
 }
 
-// R rows of x against one block of 16 output rows.
+// Tile `tile` of x (its R rows: R is the tile's height h) against one block of 16 output rows.
 // (prefetch: this is the block's first tile, which streams its records in)
 template <int R, bool Q8>
-inline void block_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_t* rec, float* y, int64_t N,
-                       bool prefetch) {
+inline void block_tile(const QuantRows& q, int64_t tile, const uint8_t* rec, float* y, int64_t N, bool prefetch) {
   constexpr int64_t record = Q8 ? kRecord8 : kRecord;
-  const int64_t G = K / kGroup;
+  const int64_t G = q.G;
   const __m512i low = _mm512_set1_epi8(0x0F);
+  const int8_t* xg = q.x.get() + q.quads(tile * kTileRows, 0);  // group g's quads: xg + 64 R g
+  const float* ug = q.u.get() + q.at(tile * kTileRows, 0);
+  const float* sg = q.usum.get() + q.at(tile * kTileRows, 0);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g, rec += record) {
+  for (int64_t g = 0; g < G; ++g, rec += record, xg += 64 * R, ug += R, sg += R) {
     // (past the tensor's end on the last records: a prefetch never faults)
     for (int64_t l = 0; prefetch && l < record; l += 64)
       _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchAhead + l), _MM_HINT_T0);
     __m512i dot_a[R], dot_b[R];
     for (int r = 0; r < R; ++r) dot_a[r] = dot_b[r] = _mm512_setzero_si512();
-    if constexpr (Q8) q8_dots<R>(q, row0, K, g, rec, dot_a, dot_b);
-    for (int c = 0; c < (Q8 ? 0 : 4); ++c) {
+    for (int c = 0; c < (Q8 ? 8 : 0); ++c) {  // Q8: quad c's 64 code bytes as they are
+      const __m512i codes = _mm512_loadu_si512(rec + 64 * c);
+      for (int r = 0; r < R; ++r) {
+        dot_a[r] = dpbusd_bcast(dot_a[r], codes, xg + 8 * (R * c + r));
+        dot_b[r] = dpbusd_bcast(dot_b[r], codes, xg + 8 * (R * c + r) + 4);
+      }
+    }
+    for (int c = 0; c < (Q8 ? 0 : 4); ++c) {  // Q4: low nibbles are quad 2c, high nibbles quad 2c + 1
       const __m512i raw = _mm512_loadu_si512(rec + 64 * c);
       const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
       for (int r = 0; r < R; ++r) {
-        const int64_t at = (row0 + r) * K + g * kGroup + 8 * c;
-        int32_t a0, a1, b0, b1;  // 4 activations each: one broadcast per vpdpbusd
-        std::memcpy(&a0, q.a.data() + at, 4);
-        std::memcpy(&a1, q.a.data() + at + 4, 4);
-        std::memcpy(&b0, q.b.data() + at, 4);
-        std::memcpy(&b1, q.b.data() + at + 4, 4);
-        dot_a[r] = _mm512_dpbusd_epi32(dot_a[r], lo, _mm512_set1_epi32(a0));
-        dot_b[r] = _mm512_dpbusd_epi32(dot_b[r], lo, _mm512_set1_epi32(b0));
-        dot_a[r] = _mm512_dpbusd_epi32(dot_a[r], hi, _mm512_set1_epi32(a1));
-        dot_b[r] = _mm512_dpbusd_epi32(dot_b[r], hi, _mm512_set1_epi32(b1));
+        const int8_t* x = xg + 8 * (2 * R * c + r);  // quad 2c; quad 2c + 1 is 8 R bytes on
+        dot_a[r] = dpbusd_bcast(dot_a[r], lo, x);
+        dot_b[r] = dpbusd_bcast(dot_b[r], lo, x + 4);
+        dot_a[r] = dpbusd_bcast(dot_a[r], hi, x + 8 * R);
+        dot_b[r] = dpbusd_bcast(dot_b[r], hi, x + 8 * R + 4);
       }
     }
     const __m512 d = Q8 ? _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 512))
@@ -176,20 +196,19 @@ inline void block_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_
     const __m512 m = Q8 ? _mm512_mul_ps(d, _mm512_set1_ps(-128.f))  // exact: a power of two
                         : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
     for (int r = 0; r < R; ++r) {
-      const int64_t i = (row0 + r) * G + g;
       const __m512i c = _mm512_add_epi32(_mm512_slli_epi32(dot_a[r], 8), dot_b[r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(d, _mm512_set1_ps(q.u[i])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(q.usum[i]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(d, _mm512_set1_ps(ug[r])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sg[r]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (row0 + r) * N, acc[r]);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (tile * kTileRows + r) * N, acc[r]);
 }
 #else
 // The same arithmetic lane by lane (a build without AVX512-VNNI; callers prefer torch's
 // int4 kernel there, see q4_linear_vnni).
 template <int R, bool Q8>
-inline void block_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_t* rec, float* y, int64_t N, bool) {
-  const int64_t G = K / kGroup;
+inline void block_tile(const QuantRows& q, int64_t tile, const uint8_t* rec, float* y, int64_t N, bool) {
+  const int64_t G = q.G;
   float acc[R][kLanes] = {};
   for (int64_t g = 0; g < G; ++g, rec += Q8 ? kRecord8 : kRecord) {
     float d[kLanes], m[kLanes];
@@ -203,21 +222,20 @@ inline void block_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_
       }
     }
     for (int r = 0; r < R; ++r) {
-      const int8_t* a = q.a.data() + (row0 + r) * K + g * kGroup;
-      const int8_t* b = q.b.data() + (row0 + r) * K + g * kGroup;
-      const int64_t i = (row0 + r) * G + g;
+      const int64_t row = tile * kTileRows + r, i = q.at(row, g);
+      const int8_t* x = q.x.get() + q.quads(row, g);  // column t: a at x[64 (t / 4) + t % 4], b 4 bytes on
       for (int64_t j = 0; j < kLanes; ++j) {
         int32_t dot_a = 0, dot_b = 0;
         for (int t = 0; Q8 && t < kGroup; ++t) {
           const int32_t code = rec[64 * (t / 4) + 4 * j + t % 4];
-          dot_a += code * a[t];
-          dot_b += code * b[t];
+          dot_a += code * x[8 * R * (t / 4) + t % 4];
+          dot_b += code * x[8 * R * (t / 4) + 4 + t % 4];
         }
         for (int c = 0; c < (Q8 ? 0 : 4); ++c)
           for (int t = 0; t < 4; ++t) {
             const int32_t q0 = rec[64 * c + 4 * j + t] & 0x0F, q1 = rec[64 * c + 4 * j + t] >> 4;
-            dot_a += q0 * a[8 * c + t] + q1 * a[8 * c + 4 + t];
-            dot_b += q0 * b[8 * c + t] + q1 * b[8 * c + 4 + t];
+            dot_a += q0 * x[16 * R * c + t] + q1 * x[8 * R * (2 * c + 1) + t];
+            dot_b += q0 * x[16 * R * c + 4 + t] + q1 * x[8 * R * (2 * c + 1) + 4 + t];
           }
         const float c = static_cast<float>(256 * dot_a + dot_b);
         acc[r][j] = std::fma(c, d[j] * q.u[i], acc[r][j]);
@@ -226,7 +244,7 @@ inline void block_tile(const QuantRows& q, int64_t row0, int64_t K, const uint8_
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < kLanes; ++j) y[(row0 + r) * N + j] = acc[r][j];
+    for (int64_t j = 0; j < kLanes; ++j) y[(tile * kTileRows + r) * N + j] = acc[r][j];
 }
 #endif
 
@@ -256,25 +274,23 @@ at::Tensor block_linear(at::Tensor x, at::Tensor packed) {
   const QuantRows q = quantize_rows(x.data_ptr<float>(), M, K);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  constexpr int64_t R = 8;
-  // Each thread takes whole 16-row blocks; within one, tiles of 8 rows (24 of the 32 vector
-  // registers hold their sums) re-read its records
+  // Each thread takes whole 16-row blocks; within one, tiles of 8 rows re-read its records
   // from L1/L2 (K = 1536: 15 KB).
   sluice::parallel_for(blocks, 2, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* rec = pp + b * (K / kGroup) * record;
       float* yb = yp + b * kLanes;
-      int64_t r = 0;
-      for (; r + R <= M; r += R) block_tile<R, Q8>(q, r, K, rec, yb, N, r == 0);
-      const bool first = r == 0;
-      switch (M - r) {
-        case 7: block_tile<7, Q8>(q, r, K, rec, yb, N, first); break;
-        case 6: block_tile<6, Q8>(q, r, K, rec, yb, N, first); break;
-        case 5: block_tile<5, Q8>(q, r, K, rec, yb, N, first); break;
-        case 4: block_tile<4, Q8>(q, r, K, rec, yb, N, first); break;
-        case 3: block_tile<3, Q8>(q, r, K, rec, yb, N, first); break;
-        case 2: block_tile<2, Q8>(q, r, K, rec, yb, N, first); break;
-        case 1: block_tile<1, Q8>(q, r, K, rec, yb, N, first); break;
+      int64_t t = 0;
+      for (; (t + 1) * kTileRows <= M; ++t) block_tile<kTileRows, Q8>(q, t, rec, yb, N, t == 0);
+      const bool first = t == 0;
+      switch (M - t * kTileRows) {
+        case 7: block_tile<7, Q8>(q, t, rec, yb, N, first); break;
+        case 6: block_tile<6, Q8>(q, t, rec, yb, N, first); break;
+        case 5: block_tile<5, Q8>(q, t, rec, yb, N, first); break;
+        case 4: block_tile<4, Q8>(q, t, rec, yb, N, first); break;
+        case 3: block_tile<3, Q8>(q, t, rec, yb, N, first); break;
+        case 2: block_tile<2, Q8>(q, t, rec, yb, N, first); break;
+        case 1: block_tile<1, Q8>(q, t, rec, yb, N, first); break;
         default: break;
       }
     }
