@@ -25,9 +25,12 @@
 // in a chunk after a cached prefix gets the same bits.
 //
 // Work items are blocks of up to kQueries consecutive queries of one request (a
-// decode step: one query per item). Positions go in tiles of 16: the tile's K rows
-// are widened and transposed once ([Hkv][D][16]) and serve every query and head of
-// the block, so a score is 16 lanes of one fma chain, with no horizontal sums.
+// decode step: one query per block), each with all kv heads, or, where there are fewer
+// blocks than threads (a lone sequence's decode), each kv head of a block on its own:
+// the per-query arithmetic is the same either way, only which thread does it changes.
+// Positions go in tiles of 16: the tile's K rows (the item's kv heads) are widened and
+// transposed once ([heads][D][16]) and serve every query and head of the item, so a
+// score is 16 lanes of one fma chain, with no horizontal sums.
 #include "cpu_common.h"
 #include "spin_pool.h"
 #include <ATen/ATen.h>
@@ -102,12 +105,12 @@ constexpr int64_t kAccVecs = 16;  // output vectors accumulated in registers at 
 
 #if defined(CPU_CAPABILITY_AVX512)
 // dst[c * 16 + p] = the K row of slot idx[p] at channel c, widened, for p < width (zeros
-// after), every channel c of the row (row % 16 == 0): 16 x 16 blocks transposed in
+// after), channels c < len of rows `row` apart (len % 16 == 0): 16 x 16 blocks transposed in
 // registers (unpack 32-bit, unpack 64-bit, two 128-bit lane shuffles) instead of 16 * row
 // scalar stores. Data movement only: the same floats as the scalar path.
 template <typename KT>
-void transpose_rows(const KT* kp, const int64_t* idx, int64_t width, int64_t row, float* dst) {
-  for (int64_t c0 = 0; c0 < row; c0 += 16) {
+void transpose_rows(const KT* kp, const int64_t* idx, int64_t width, int64_t row, int64_t len, float* dst) {
+  for (int64_t c0 = 0; c0 < len; c0 += 16) {
     __m512 r[16];
     for (int64_t p = 0; p < 16; ++p) r[p] = p < width ? sluice::load16(kp + idx[p] * row + c0) : _mm512_setzero_ps();
     // s[4 g + c]: 128-bit lane L holds channel 4 L + c of positions 4 g .. 4 g + 3.
@@ -157,19 +160,22 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
   for (int64_t i = 0; i < n; ++i)
     if (i == 0 || rp[i] != rp[i - 1] || i - starts.back() == kQueries) starts.push_back(i);
   starts.push_back(n);
-  const int64_t items = static_cast<int64_t>(starts.size()) - 1;
-  // Item order 0, last, 1, last-1, ...: each thread's contiguous range then mixes an
+  const int64_t blocks = static_cast<int64_t>(starts.size()) - 1;
+  // Block order 0, last, 1, last-1, ...: each thread's contiguous range then mixes an
   // extend's short (early) and long (late) queries.
-  auto order = [items](int64_t w) { return (w % 2 == 0) ? w / 2 : items - 1 - w / 2; };
+  auto order = [blocks](int64_t b) { return (b % 2 == 0) ? b / 2 : blocks - 1 - b / 2; };
+  // kv heads an item takes: all of them (more (query, head) fma chains in flight) unless
+  // that would leave threads idle.
+  const int64_t hn = blocks < sluice::SpinPool::get().threads() ? 1 : Hkv, hgn = hn * G;
 
-  // A request read by several items (an extend of more than kQueries tokens) has its
+  // A request read by several blocks (an extend of more than kQueries tokens) has its
   // K tiles transposed once, up front, into `shared`; others transpose as they go.
-  const int64_t tile_size = Hkv * D * kTile;
-  std::vector<int64_t> shared_at(items, -1);  // item -> first tile of its request in `shared`
+  const int64_t tile_size = Hkv * D * kTile;  // [Hkv][D][16]: kv head h's part at h * D * 16
+  std::vector<int64_t> shared_at(blocks, -1);  // block -> first tile of its request in `shared`
   std::vector<std::array<int64_t, 3>> shared_tiles;  // (request row, tile start, request's span)
-  for (int64_t w = 0; w < items;) {
+  for (int64_t w = 0; w < blocks;) {
     int64_t last = w, span = 0;
-    while (last + 1 < items && rp[starts[last + 1]] == rp[starts[w]]) ++last;
+    while (last + 1 < blocks && rp[starts[last + 1]] == rp[starts[w]]) ++last;
     if (last > w) {
       for (int64_t i = starts[w]; i < starts[last + 1]; ++i) span = std::max(span, lp[i]);
       for (int64_t x = w; x <= last; ++x) shared_at[x] = static_cast<int64_t>(shared_tiles.size());
@@ -178,56 +184,63 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
     w = last + 1;
   }
   std::vector<float> shared(shared_tiles.size() * tile_size);
-  auto transpose_tile = [&](int64_t req, int64_t t0, int64_t span, float* dst, float* scratch) {
+  // Channels [off, off + len) of a tile's K rows -> dst [len][16] (dst[(h * D + d) * 16 + p]).
+  auto transpose_tile = [&](int64_t req, int64_t t0, int64_t span, int64_t off, int64_t len, float* dst,
+                            float* scratch) {
     const int64_t* idx = ip + req * max_len;
     const int64_t width = std::min(kTile, span - t0);
+    const KT* kh = kp + off;
 #if defined(CPU_CAPABILITY_AVX512)
     if constexpr (!std::is_same_v<KT, double>) {
-      if (row % 16 == 0) {
+      if (len % 16 == 0) {
         for (int64_t p = t0 + kTile; p < std::min(span, t0 + 2 * kTile); ++p)  // the next tile's rows
-          sluice::prefetch_row(kp + idx[p] * row, row * sizeof(KT));
-        transpose_rows(kp, idx + t0, width, row, dst);
+          sluice::prefetch_row(kh + idx[p] * row, len * sizeof(KT));
+        transpose_rows(kh, idx + t0, width, row, len, dst);
         return;
       }
     }
 #endif
-    if (width < kTile) std::fill(dst, dst + tile_size, 0.f);  // lanes past the end: finite
+    if (width < kTile) std::fill(dst, dst + len * kTile, 0.f);  // lanes past the end: finite
     for (int64_t p = 0; p < width; ++p) {
-      if (t0 + p + kAhead < span) sluice::prefetch_row(kp + idx[t0 + p + kAhead] * row, row * sizeof(KT));
-      const float* kr = row_as_float(kp + idx[t0 + p] * row, scratch, row);
-      for (int64_t c = 0; c < row; ++c) dst[c * kTile + p] = kr[c];  // dst[(h * D + d) * 16 + p]
+      if (t0 + p + kAhead < span) sluice::prefetch_row(kh + idx[t0 + p + kAhead] * row, len * sizeof(KT));
+      const float* kr = row_as_float(kh + idx[t0 + p] * row, scratch, len);
+      for (int64_t c = 0; c < len; ++c) dst[c * kTile + p] = kr[c];
     }
   };
   sluice::parallel_for(static_cast<int64_t>(shared_tiles.size()), 4, [&](int64_t begin, int64_t end) {
     std::vector<float> rf(row);
     for (int64_t t = begin; t < end; ++t) {
       const auto [req, t0, span] = shared_tiles[t];
-      transpose_tile(req, t0, span, shared.data() + t * tile_size, rf.data());
+      transpose_tile(req, t0, span, 0, row, shared.data() + t * tile_size, rf.data());
     }
   });
 
-  sluice::parallel_for(items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(kQueries * Hq * D), kt(Hkv * D * kTile), rf(row), scores, vf;
-    std::vector<float> inv_sum(kQueries * Hq);
+  // Item i: block order(i / (Hkv / hn)), kv heads h0 .. h0 + hn - 1 with h0 = i % (Hkv / hn) * hn;
+  // below, "head" hl is the item's query head h0 G + hl and kv head hl / G its kv head h0 + hl / G.
+  sluice::parallel_for(blocks * (Hkv / hn), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(kQueries * hgn * D), kt(hn * D * kTile), rf(row), scores, vf;
+    std::vector<float> inv_sum(kQueries * hgn);
     std::vector<const float*> vrows;
-    for (int64_t ww = begin; ww < end; ++ww) {
-      const int64_t w = order(ww);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t w = order(item / (Hkv / hn)), h0 = item % (Hkv / hn) * hn;
       const int64_t first = starts[w], nq = starts[w + 1] - first;
       const int64_t* idx = ip + rp[first] * max_len;
       int64_t span = 0;  // positions the block reads: the longest query's
       for (int64_t j = 0; j < nq; ++j) span = std::max(span, lp[first + j]);
-      for (int64_t j = 0; j < nq * Hq * D; ++j) qf[j] = static_cast<float>(qp[first * Hq * D + j]) * fscale;
-      scores.assign(nq * Hq * span, 0.f);  // scores[(j * Hq + hq) * span + p]
+      for (int64_t j = 0; j < nq; ++j)
+        for (int64_t c = 0; c < hgn * D; ++c)
+          qf[j * hgn * D + c] = static_cast<float>(qp[((first + j) * Hq + h0 * G) * D + c]) * fscale;
+      scores.assign(nq * hgn * span, 0.f);  // scores[(j * hgn + hl) * span + p]
 
       // Pass 1: scores, one tile of 16 positions at a time; kChains (query, head)
       // pairs at once, each its own fma chain over d.
       for (int64_t t0 = 0; t0 < span; t0 += kTile) {
         const int64_t width = std::min(kTile, span - t0);
-        const float* ktile = kt.data();
+        const float* ktile = kt.data();  // [hn][D][16]
         if (shared_at[w] >= 0) {
-          ktile = shared.data() + (shared_at[w] + t0 / kTile) * tile_size;
+          ktile = shared.data() + (shared_at[w] + t0 / kTile) * tile_size + h0 * D * kTile;
         } else {
-          transpose_tile(rp[first], t0, span, kt.data(), rf.data());
+          transpose_tile(rp[first], t0, span, h0 * D, hn * D, kt.data(), rf.data());
         }
         int64_t pairs[kChains];
         int64_t npairs = 0;
@@ -237,9 +250,9 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
             for (int64_t v = 0; v < kVecs; ++v) acc[c][v] = Vec(0.f);
           for (int64_t d = 0; d < D; ++d) {
             for (int64_t c = 0; c < npairs; ++c) {
-              const int64_t j = pairs[c] / Hq, hq = pairs[c] % Hq;
-              const Vec qd(qf[(j * Hq + hq) * D + d]);
-              const float* kd = ktile + ((hq / G) * D + d) * kTile;
+              const int64_t hl = pairs[c] % hgn;
+              const Vec qd(qf[pairs[c] * D + d]);
+              const float* kd = ktile + ((hl / G) * D + d) * kTile;
               for (int64_t v = 0; v < kVecs; ++v) acc[c][v] = at::vec::fmadd(qd, Vec::loadu(kd + v * Vec::size()), acc[c][v]);
             }
           }
@@ -252,8 +265,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
         };
         for (int64_t j = 0; j < nq; ++j) {
           if (lp[first + j] <= t0) continue;
-          for (int64_t hq = 0; hq < Hq; ++hq) {
-            pairs[npairs++] = j * Hq + hq;
+          for (int64_t hl = 0; hl < hgn; ++hl) {
+            pairs[npairs++] = j * hgn + hl;
             if (npairs == kChains) flush();
           }
         }
@@ -262,32 +275,33 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
       // Softmax per query and head, over that query's own positions only.
       for (int64_t j = 0; j < nq; ++j) {
         const int64_t len = lp[first + j];
-        for (int64_t hq = 0; hq < Hq; ++hq) {
-          float* sh = scores.data() + (j * Hq + hq) * span;
-          inv_sum[j * Hq + hq] = 1.f / exp_and_sum(sh, len, max_of(sh, len));
+        for (int64_t hl = 0; hl < hgn; ++hl) {
+          float* sh = scores.data() + (j * hgn + hl) * span;
+          inv_sum[j * hgn + hl] = 1.f / exp_and_sum(sh, len, max_of(sh, len));
         }
       }
       // Pass 2: out = sum over p, in order, of e[p] * v_p: the query heads sharing a kv
       // head accumulate together, in registers, over that kv head's V rows.
-      vrows.resize(span);
+      vrows.resize(span);  // the item's kv heads' part of each V row
+      const KT* vh0 = vp + h0 * D;
       if constexpr (std::is_same_v<KT, float>) {
-        for (int64_t p = 0; p < span; ++p) vrows[p] = vp + idx[p] * row;
+        for (int64_t p = 0; p < span; ++p) vrows[p] = vh0 + idx[p] * row;
       } else {
-        vf.resize(span * row);
+        vf.resize(span * hn * D);
         for (int64_t p = 0; p < span; ++p) {
-          if (p + kAhead < span) sluice::prefetch_row(vp + idx[p + kAhead] * row, row * sizeof(KT));
-          to_float(vp + idx[p] * row, vf.data() + p * row, row);
-          vrows[p] = vf.data() + p * row;
+          if (p + kAhead < span) sluice::prefetch_row(vh0 + idx[p + kAhead] * row, hn * D * sizeof(KT));
+          to_float(vh0 + idx[p] * row, vf.data() + p * hn * D, hn * D);
+          vrows[p] = vf.data() + p * hn * D;
         }
       }
       for (int64_t j = 0; j < nq; ++j) {
         const int64_t len = lp[first + j];
-        for (int64_t h = 0; h < Hkv; ++h) {
+        for (int64_t h = 0; h < hn; ++h) {
           for (int64_t g0 = 0; g0 < G; g0 += heads_per_pass) {
-            const int64_t heads = std::min(heads_per_pass, G - g0), hq0 = h * G + g0;
+            const int64_t heads = std::min(heads_per_pass, G - g0), hq0 = h * G + g0;  // (item-local)
             Vec acc[kAccVecs];
             for (int64_t a = 0; a < heads * dvecs; ++a) acc[a] = Vec(0.f);
-            const float* e0 = scores.data() + (j * Hq + hq0) * span;
+            const float* e0 = scores.data() + (j * hgn + hq0) * span;
             for (int64_t p = 0; p < len; ++p) {
               const float* vh = vrows[p] + h * D;
               for (int64_t g = 0; g < heads; ++g) {
@@ -299,8 +313,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
             for (int64_t g = 0; g < heads; ++g) {
               float o[kAccVecs * 16];
               for (int64_t v = 0; v < dvecs; ++v) acc[g * dvecs + v].store(o + v * Vec::size());
-              const float inv = inv_sum[j * Hq + hq0 + g];
-              T* dst = op + ((first + j) * Hq + hq0 + g) * D;
+              const float inv = inv_sum[j * hgn + hq0 + g];
+              T* dst = op + ((first + j) * Hq + h0 * G + hq0 + g) * D;
               for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] * inv);
             }
           }
