@@ -123,6 +123,16 @@ def _post(server: ServerProcess, path: str, body: dict[str, Any]) -> httpx.Respo
     return httpx.post(f"{server.base_url}{path}", json=body, timeout=120)
 
 
+def _logprobs_close(got: list[float | None], want: list[float | None]) -> bool:
+    """The same entries up to PROMPT_LOGPROB_TOL. Two requests for the same prompt are not
+    bit-equal in general: this float32 server's matmuls (MKL's sgemm) may round a row
+    differently with the batch's row count (on an AMD EPYC: 11 rows alone vs 22 with n = 2,
+    1e-5 apart); only --enable-deterministic-inference promises equal bits."""
+    return len(got) == len(want) and all(
+        (g is None) == (w is None) and (g is None or w is None or abs(g - w) < PROMPT_LOGPROB_TOL) for g, w in zip(got, want)
+    )
+
+
 def test_openai_echo_with_logprobs_scores_the_prompt_as_hf_does(server: ServerProcess, hf_oracle: HFOracle, tokenizer: Any) -> None:
     ids = tokenizer.encode("The river rose slowly through the night, and by morning", add_special_tokens=False)
     ref = hf_logprobs(hf_oracle, ids)
@@ -143,7 +153,7 @@ def test_openai_echo_with_logprobs_scores_the_prompt_as_hf_does(server: ServerPr
     # With a completion: the prompt's entries, then the completion's; streamed alike.
     body = {**body, "max_tokens": 4, "n": 2}
     final = _post(server, "/v1/completions", body).json()["choices"]
-    assert [c["logprobs"]["token_logprobs"][: len(ids)] for c in final] == [lp["token_logprobs"]] * 2
+    assert all(_logprobs_close(c["logprobs"]["token_logprobs"][: len(ids)], lp["token_logprobs"]) for c in final)
     assert all(len(c["logprobs"]["tokens"]) == len(ids) + 4 for c in final)
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json={**body, "stream": True}, timeout=120) as s:
         events = [e for e in s.iter_lines() if e.startswith("data: {")]
@@ -152,7 +162,7 @@ def test_openai_echo_with_logprobs_scores_the_prompt_as_hf_does(server: ServerPr
         c = orjson.loads(e.removeprefix("data: "))["choices"][0]
         if c["logprobs"]:
             streamed[c["index"]].extend(c["logprobs"]["token_logprobs"])
-    assert [streamed[i] for i in (0, 1)] == [c["logprobs"]["token_logprobs"] for c in final]
+    assert all(_logprobs_close(streamed[i], final[i]["logprobs"]["token_logprobs"]) for i in (0, 1))
 
 
 def test_native_generate_reports_input_token_logprobs_from_logprob_start_len(
