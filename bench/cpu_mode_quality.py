@@ -19,42 +19,13 @@ from __future__ import annotations
 import argparse
 import glob
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
-
-    from kernels.cpu import CpuOps
-
-
-class PinnedIsa:
-    """The CPU kernels with bf16_linear pinned to one ISA, or to none (every other kernel as is)."""
-
-    def __init__(self, ops: "CpuOps", isa: str) -> None:
-        if isa != "none" and isa not in ops.bf16_linear_isas():
-            raise SystemExit(f"--bf16-isa {isa}: this CPU offers {ops.bf16_linear_isas()}")
-        self._ops, self._isa = ops, isa
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._ops, name)
-
-    def bf16_linear_isas(self) -> list[str]:
-        return [] if self._isa == "none" else [self._isa]
-
-    def bf16_linear(self, x: "torch.Tensor", packed: "torch.Tensor") -> "torch.Tensor":
-        return self._ops.bf16_linear(x, packed, self._isa)
-
-    def bf16_linear_silu_mul(self, x: "torch.Tensor", packed: "torch.Tensor") -> "torch.Tensor":
-        return self._ops.bf16_linear_silu_mul(x, packed, self._isa)
-
-
 def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
     from bench.paged_rounds import teacher_forced
     from bench.quant_model import agreement
-    from kernels.cpu import load_cpu_ops
+    from kernels.cpu import PinnedIsa, load_cpu_ops
     from runtime.model_config import ModelConfig
     from runtime.model_executor.model_loader import load_model, prepare_model_dir
     from runtime.models.cpu_path import bind_cpu_ops
@@ -74,7 +45,10 @@ def main() -> None:
     windows = [ids[i : i + 128] for i in range(0, min(len(ids) - 127, args.windows * 128), 128)]
     ops = load_cpu_ops()
     if ops is not None and args.bf16_isa:
-        ops = PinnedIsa(ops, args.bf16_isa)
+        try:
+            ops = PinnedIsa(ops, args.bf16_isa)
+        except ValueError as exc:
+            raise SystemExit(f"--bf16-isa: {exc}") from None
 
     def logits(model: torch.nn.Module, config: ModelConfig) -> torch.Tensor:
         return teacher_forced(model, config, windows)

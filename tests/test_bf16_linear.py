@@ -14,28 +14,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import CpuOps
+from kernels.cpu import CpuOps, PinnedIsa
 from runtime.layers.quantization.int4 import pack_bf16_tiles
 
 
-class IsaOps:
-    """The kernels pinned to one ISA."""
-
-    def __init__(self, ops: CpuOps, isa: str) -> None:
-        self.ops, self.isa = ops, isa
-
-    def bf16_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        return self.ops.bf16_linear(x, packed, self.isa)
-
-    def bf16_linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        return self.ops.bf16_linear_silu_mul(x, packed, self.isa)
-
-
 @pytest.fixture(params=["amx-bf16", "avx512-bf16"])
-def isa_ops(cpu_ops: CpuOps, request: pytest.FixtureRequest) -> IsaOps:
+def isa_ops(cpu_ops: CpuOps, request: pytest.FixtureRequest) -> PinnedIsa:
     if request.param not in cpu_ops.bf16_linear_isas():
         pytest.skip(f"this CPU has no {request.param.upper()} (with neither, the engine keeps oneDNN's bf16 copy)")
-    return IsaOps(cpu_ops, request.param)
+    return PinnedIsa(cpu_ops, request.param)
 
 
 def bf16_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -46,7 +33,7 @@ def bf16_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # (kChunkBytes); N = 48 and 592 end on a lone 16-output block.
 @pytest.mark.parametrize("M", [1, 15, 16, 17, 33, 300])
 @pytest.mark.parametrize("N,K", [(16, 32), (48, 576), (592, 1536), (960, 576)])
-def test_the_product_of_the_bf16_operands_summed_in_float32(isa_ops: IsaOps, M: int, N: int, K: int) -> None:
+def test_the_product_of_the_bf16_operands_summed_in_float32(isa_ops: PinnedIsa, M: int, N: int, K: int) -> None:
     torch.manual_seed(M * 7 + N)
     x, w = torch.randn(M, K), torch.randn(N, K) * 0.05
     y = isa_ops.bf16_linear(x, pack_bf16_tiles(w.bfloat16()))
@@ -59,13 +46,13 @@ def test_the_product_of_the_bf16_operands_summed_in_float32(isa_ops: IsaOps, M: 
     assert not torch.allclose(y.double(), x.double() @ w.double().T, rtol=1e-6, atol=0)
 
 
-def test_bfloat16_input_is_used_as_is_and_gives_the_float_inputs_result(isa_ops: IsaOps) -> None:
+def test_bfloat16_input_is_used_as_is_and_gives_the_float_inputs_result(isa_ops: PinnedIsa) -> None:
     x, w = torch.randn(40, 576), torch.randn(64, 576)
     tiles = pack_bf16_tiles(w.bfloat16())
     assert torch.equal(isa_ops.bf16_linear(x.bfloat16(), tiles), isa_ops.bf16_linear(x, tiles))
 
 
-def test_a_row_gets_the_same_bits_alone_and_in_any_batch(isa_ops: IsaOps) -> None:
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(isa_ops: PinnedIsa) -> None:
     x, tiles = torch.randn(70, 576), pack_bf16_tiles(torch.randn(96, 576).bfloat16())
     full = isa_ops.bf16_linear(x, tiles)
     for rows in (slice(0, 1), slice(3, 20), slice(33, 70)):
@@ -80,7 +67,7 @@ def test_the_tile_layout_puts_each_weight_where_the_kernel_reads_it() -> None:
         assert t[n, k, p, j, e] == w[16 * n + j, 32 * k + 2 * p + e]
 
 
-def test_mismatched_shapes_are_refused(isa_ops: IsaOps) -> None:
+def test_mismatched_shapes_are_refused(isa_ops: PinnedIsa) -> None:
     tiles = pack_bf16_tiles(torch.randn(32, 64).bfloat16())
     with pytest.raises(RuntimeError, match="K"):
         isa_ops.bf16_linear(torch.randn(4, 96), tiles)
@@ -92,13 +79,13 @@ def test_mismatched_shapes_are_refused(isa_ops: IsaOps) -> None:
 @pytest.mark.parametrize("M", [1, 17, 33, 300])
 @pytest.mark.parametrize("I,K", [(16, 32), (48, 576), (1536, 576)])
 def test_the_fused_gate_up_activation_has_the_bits_of_silu_mul_over_the_linear(
-    isa_ops: IsaOps, M: int, I: int, K: int
+    isa_ops: PinnedIsa, M: int, I: int, K: int
 ) -> None:
     torch.manual_seed(M + I)
     x, tiles = torch.randn(M, K), pack_bf16_tiles((torch.randn(2 * I, K) * 0.1).bfloat16())
     fused = isa_ops.bf16_linear_silu_mul(x, tiles)
     assert fused.shape == (M, I) and fused.dtype == torch.float32
-    assert torch.equal(fused, isa_ops.ops.silu_mul(isa_ops.bf16_linear(x, tiles)))
+    assert torch.equal(fused, isa_ops.silu_mul(isa_ops.bf16_linear(x, tiles)))
 
 
 def test_the_default_isa_is_the_first_offered_and_an_unknown_one_is_refused(cpu_ops: CpuOps) -> None:

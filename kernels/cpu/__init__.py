@@ -142,3 +142,26 @@ def load_paged_decode() -> Callable[..., torch.Tensor] | None:
     """`paged_decode(q, k_buf, v_buf, kv_idx, lens, scale) -> out`, or None."""
     ops = load_cpu_ops()
     return None if ops is None else ops.paged_decode
+
+
+class PinnedIsa:
+    """`ops` with bf16_linear pinned to one of its `bf16_linear_isas()`, or to "none" (no
+    tiles: the engine keeps oneDNN's bf16 copy); every other kernel as it is. For measuring
+    and testing one ISA's path on a CPU that offers several (an AMX CPU has both)."""
+
+    def __init__(self, ops: CpuOps, isa: str) -> None:
+        if isa != "none" and isa not in ops.bf16_linear_isas():
+            raise ValueError(f"bf16_linear isa {isa!r}: this CPU offers {ops.bf16_linear_isas()}")
+        self.ops, self.isa = ops, isa
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.ops, name)
+
+    def bf16_linear_isas(self) -> list[str]:
+        return [] if self.isa == "none" else [self.isa]
+
+    def bf16_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        return self.ops.bf16_linear(x, packed, self.isa)
+
+    def bf16_linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        return self.ops.bf16_linear_silu_mul(x, packed, self.isa)

@@ -228,7 +228,7 @@ bool amx_granted() {
 
 }  // namespace
 
-std::vector<std::string> bf16_linear_isas() {
+const std::vector<std::string>& bf16_linear_isas() {  // (a reference: on_tiles asks on every call)
   static const std::vector<std::string> isas = [] {
     std::vector<std::string> found;
     if (amx_granted()) found.emplace_back("amx-bf16");
@@ -244,7 +244,7 @@ namespace {
 
 // Whether the call runs on AMX tiles: `isa` named (one of bf16_linear_isas()), or the first.
 bool on_tiles(const at::Tensor& x, const at::Tensor& packed, const std::string& isa) {
-  const auto isas = bf16_linear_isas();
+  const auto& isas = bf16_linear_isas();
   TORCH_CHECK(!isas.empty(), "bf16_linear needs AMX-BF16 or AVX512-BF16 (bf16_linear_isas() is empty)");
   TORCH_CHECK(isa.empty() || std::find(isas.begin(), isas.end(), isa) != isas.end(), "bf16_linear: isa '", isa,
               "' is not one of this CPU's bf16_linear_isas()");
