@@ -110,6 +110,56 @@ def test_paged_attention_gives_a_token_the_same_bits_however_its_prompt_is_split
     torch.testing.assert_close(whole, ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (4, 64), (1, 16), (2, 32), (4, 128)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_attention_path_gives_a_token_one_result(
+    cpu_ops: CpuOps, kv_dtype: torch.dtype, group: int, head_dim: int, threads: int
+) -> None:
+    """paged_attention's paths (a prefill's shared K tiles, a short extend's own tiles, a
+    lone decode split by kv head, a batch's decode reading K/V rows in place) and the
+    default paged_decode, where it neither splits a sequence nor runs out of registers,
+    are one arithmetic
+    (kernels/cpu/attention_span.h): a token gets the same bits from each, with any
+    number of threads, for every KV dtype and head shape."""
+    torch.manual_seed(0)
+    hkv, length, others = 2, 70, 5
+    hq = hkv * group
+    k_buf = torch.randn(900, hkv, head_dim).to(kv_dtype)
+    v_buf = torch.randn(900, hkv, head_dim).to(kv_dtype)
+    kv_idx = (torch.randperm(899)[: (1 + others) * length] + 1).view(1 + others, length)
+    q = torch.randn(length, hq, head_dim)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        def attend(rows: torch.Tensor, reqs: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+            return cpu_ops.paged_attention(rows, k_buf, v_buf, kv_idx, reqs, lens, 0.125)
+
+        def extend(first: int, last: int) -> torch.Tensor:  # request 0's tokens first..last-1
+            return attend(q[first:last], torch.zeros(last - first, dtype=torch.long), torch.arange(first, last) + 1)
+
+        whole = extend(0, length)  # 5 blocks of 16 queries: shared tiles
+        assert torch.equal(torch.cat([extend(0, 40), extend(40, 52), extend(52, length)]), whole)  # 12, 18: own tiles
+        for t in (0, 15, 16, 37, length - 1):  # lone decodes
+            assert torch.equal(extend(t, t + 1), whole[t : t + 1]), t
+        # A decode batch: request 0's last token among other requests' tokens of other lengths.
+        lens = torch.tensor([length, 3, 17, 33, 64, 70])
+        batch = torch.cat([q[-1:], torch.randn(others, hq, head_dim)])
+        decoded = attend(batch, torch.arange(1 + others), lens)
+        assert torch.equal(decoded[0], whole[-1])
+        # paged_decode splits a sequence only to feed idle threads, and runs attend_span
+        # where the G x D / 16 sums fit its registers (else a plain loop).
+        if threads == 1 and group * head_dim // 16 <= 16:
+            fast = cpu_ops.paged_decode(batch, k_buf, v_buf, kv_idx, lens, 0.125)
+            assert torch.equal(fast, decoded)
+    finally:
+        torch.set_num_threads(before)
+    # and it is attention: causal SDPA over the same keys.
+    keys, values = (buf[kv_idx[0]].float().transpose(0, 1)[None] for buf in (k_buf, v_buf))
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, is_causal=True, scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(whole, ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cast_rounds_as_torch_does(cpu_ops: CpuOps, dtype: torch.dtype) -> None:
     torch.manual_seed(0)

@@ -15,22 +15,20 @@
 //
 // Batch invariance (what --enable-deterministic-inference relies on): query t's
 // output is a function of q[t], its lens[t] K/V rows and nothing else, computed by
-// the same arithmetic whatever T, the other queries or the thread count:
-//   score[p]  = sum over d = 0..D-1, in order, of q[d] * k_p[d]   (one fma chain)
-//   m         = max over p; e[p] = exp(score[p] - m)
-//   sum       = 16 lane sums (lane j: positions p = j mod 16, in order), then the
-//               lanes added 0..15
-//   out[d]    = (sum over p, in order, of e[p] * v_p[d]) * (1 / sum)
-// So a token computed in a decode step, in a prefill, alone, in a batch of 200 or
-// in a chunk after a cached prefix gets the same bits.
+// attention_span.h's arithmetic whatever T, the other queries or the thread count. So a
+// token computed in a decode step, in a prefill, alone, in a batch of 200 or in a chunk
+// after a cached prefix gets the same bits (and paged_decode.cpp gives a sequence it
+// does not split the same bits too).
 //
 // Work items are blocks of up to kQueries consecutive queries of one request (a
 // decode step: one query per block), each with all kv heads, or, where there are fewer
 // blocks than threads (a lone sequence's decode), each kv head of a block on its own:
 // the per-query arithmetic is the same either way, only which thread does it changes.
-// Positions go in tiles of 16: the tile's K rows (the item's kv heads) are widened and
-// transposed once ([heads][D][16]) and serve every query and head of the item, so a
-// score is 16 lanes of one fma chain, with no horizontal sums.
+// A block of one query (AVX-512) reads its K and V rows in place (attend_span). A longer
+// block goes in tiles of 16 positions: the tile's K rows (the item's kv heads) are
+// widened and transposed once ([heads][D][16]) and serve every query and head of the
+// item, a score's 16 channel lanes being 16 vectors over the tile's positions.
+#include "attention_span.h"
 #include "cpu_common.h"
 #include "spin_pool.h"
 #include <ATen/ATen.h>
@@ -50,6 +48,8 @@ constexpr int64_t kTile = 16;     // positions per K tile (and lanes of a partia
 constexpr int64_t kQueries = 16;  // queries of one request per work item
 constexpr int64_t kAhead = 8;     // positions ahead whose K / V rows are prefetched
 
+using sluice::exp_and_sum;
+using sluice::max_of;
 using sluice::to_float;
 
 // A float KV row is read in place; a narrower one is widened into `scratch`.
@@ -64,43 +64,6 @@ inline const float* row_as_float<float>(const float* src, float*, int64_t) {
   return src;
 }
 
-// e[p] = exp(s[p] - m) in place over n scores; returns their sum in the fixed order
-// of the header (16 lane sums, then lanes 0..15). Lanes past n add nothing: a
-// masked load reads +0.0, and e >= 0 is unchanged by adding it.
-inline float exp_and_sum(float* s, int64_t n, float m) {
-  constexpr int64_t kVecs = kTile / Vec::size();
-  Vec lanes[kVecs];
-  for (int64_t v = 0; v < kVecs; ++v) lanes[v] = Vec(0.f);
-  for (int64_t p0 = 0; p0 < n; p0 += kTile) {
-    for (int64_t v = 0; v < kVecs; ++v) {
-      const int64_t p = p0 + v * Vec::size();
-      if (p >= n) break;
-      const int64_t count = std::min<int64_t>(Vec::size(), n - p);
-      const Vec e = (Vec::loadu(s + p, count) - Vec(m)).exp();  // the same vector exp for every element
-      e.store(s + p, count);
-      lanes[v] = lanes[v] + Vec::loadu(s + p, count);
-    }
-  }
-  float sums[kTile];
-  for (int64_t v = 0; v < kVecs; ++v) lanes[v].store(sums + v * Vec::size());
-  float sum = 0.f;
-  for (int64_t j = 0; j < kTile; ++j) sum += sums[j];
-  return sum;
-}
-
-inline float max_of(const float* s, int64_t n) {  // exact in any order
-  Vec m(-std::numeric_limits<float>::infinity());
-  int64_t p = 0;
-  for (; p + Vec::size() <= n; p += Vec::size()) m = at::vec::maximum(m, Vec::loadu(s + p));
-  float lanes[Vec::size()];
-  m.store(lanes);
-  float out = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < Vec::size(); ++j) out = std::max(out, lanes[j]);
-  for (; p < n; ++p) out = std::max(out, s[p]);
-  return out;
-}
-
-constexpr int64_t kChains = 8;  // independent (query, head) score chains in flight
 constexpr int64_t kAccVecs = 16;  // output vectors accumulated in registers at once
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -218,7 +181,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
   // Item i: block order(i / (Hkv / hn)), kv heads h0 .. h0 + hn - 1 with h0 = i % (Hkv / hn) * hn;
   // below, "head" hl is the item's query head h0 G + hl and kv head hl / G its kv head h0 + hl / G.
   sluice::parallel_for(blocks * (Hkv / hn), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(kQueries * hgn * D), kt(hn * D * kTile), rf(row), scores, vf;
+    std::vector<float> qf(kQueries * hgn * D), kt(hn * D * kTile), rf(row), scores, vf, part(G * (D + 2));
     std::vector<float> inv_sum(kQueries * hgn);
     std::vector<const float*> vrows;
     for (int64_t item = begin; item < end; ++item) {
@@ -230,10 +193,28 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
       for (int64_t j = 0; j < nq; ++j)
         for (int64_t c = 0; c < hgn * D; ++c)
           qf[j * hgn * D + c] = static_cast<float>(qp[((first + j) * Hq + h0 * G) * D + c]) * fscale;
+#if defined(CPU_CAPABILITY_AVX512)
+      // One query (a decode): its K and V rows read once each, as rows, no tile.
+      if constexpr (!std::is_same_v<KT, double>) {
+        if (nq == 1 && shared_at[w] < 0 && G * (D / 16) <= sluice::kSpanVecs) {
+          const auto attend = sluice::pick_attend_span<KT>(G, D);
+          for (int64_t h = 0; h < hn; ++h) {
+            attend(qf.data() + h * G * D, kp, vp, idx, 0, span, row, h0 + h, G, D, scores, part.data());
+            for (int64_t g = 0; g < G; ++g) {
+              const float* pg = part.data() + g * (D + 2);
+              const float inv = 1.f / pg[1];
+              T* dst = op + (first * Hq + (h0 + h) * G + g) * D;
+              for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(pg[2 + d] * inv);
+            }
+          }
+          continue;
+        }
+      }
+#endif
       scores.assign(nq * hgn * span, 0.f);  // scores[(j * hgn + hl) * span + p]
 
-      // Pass 1: scores, one tile of 16 positions at a time; kChains (query, head)
-      // pairs at once, each its own fma chain over d.
+      // Pass 1: scores, one tile of 16 positions at a time: for each (query, head), 16
+      // channel-lane vectors over the tile's positions, then attention_span.h's tree.
       for (int64_t t0 = 0; t0 < span; t0 += kTile) {
         const int64_t width = std::min(kTile, span - t0);
         const float* ktile = kt.data();  // [hn][D][16]
@@ -242,35 +223,26 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
         } else {
           transpose_tile(rp[first], t0, span, h0 * D, hn * D, kt.data(), rf.data());
         }
-        int64_t pairs[kChains];
-        int64_t npairs = 0;
-        auto flush = [&]() {
-          Vec acc[kChains][kVecs];
-          for (int64_t c = 0; c < npairs; ++c)
-            for (int64_t v = 0; v < kVecs; ++v) acc[c][v] = Vec(0.f);
-          for (int64_t d = 0; d < D; ++d) {
-            for (int64_t c = 0; c < npairs; ++c) {
-              const int64_t hl = pairs[c] % hgn;
-              const Vec qd(qf[pairs[c] * D + d]);
-              const float* kd = ktile + ((hl / G) * D + d) * kTile;
-              for (int64_t v = 0; v < kVecs; ++v) acc[c][v] = at::vec::fmadd(qd, Vec::loadu(kd + v * Vec::size()), acc[c][v]);
-            }
-          }
-          float tile[kTile];
-          for (int64_t c = 0; c < npairs; ++c) {
-            for (int64_t v = 0; v < kVecs; ++v) acc[c][v].store(tile + v * Vec::size());
-            std::copy(tile, tile + width, scores.data() + pairs[c] * span + t0);
-          }
-          npairs = 0;
-        };
         for (int64_t j = 0; j < nq; ++j) {
           if (lp[first + j] <= t0) continue;
           for (int64_t hl = 0; hl < hgn; ++hl) {
-            pairs[npairs++] = j * hgn + hl;
-            if (npairs == kChains) flush();
+            const float* qd = qf.data() + (j * hgn + hl) * D;
+            const float* kh = ktile + (hl / G) * D * kTile;
+            float* dst = scores.data() + (j * hgn + hl) * span + t0;
+            for (int64_t v = 0; v < kVecs; ++v) {
+              Vec lane[sluice::kScoreLanes];  // lane r: channels r, r + 16, ... of 16 positions
+              for (int64_t r = 0; r < sluice::kScoreLanes; ++r) lane[r] = Vec(0.f);
+              for (int64_t c0 = 0; c0 < D; c0 += sluice::kScoreLanes)
+                for (int64_t r = 0; r < sluice::kScoreLanes; ++r)
+                  lane[r] = at::vec::fmadd(Vec(qd[c0 + r]), Vec::loadu(kh + (c0 + r) * kTile + v * Vec::size()), lane[r]);
+              sluice::sum16_lanes(lane);
+              float tile[Vec::size()];
+              lane[0].store(tile);
+              const int64_t p = v * Vec::size();
+              if (p < width) std::copy(tile, tile + std::min<int64_t>(Vec::size(), width - p), dst + p);
+            }
           }
         }
-        if (npairs > 0) flush();
       }
       // Softmax per query and head, over that query's own positions only.
       for (int64_t j = 0; j < nq; ++j) {
@@ -336,9 +308,8 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at:
   TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous(), "KV buffers must be contiguous");
   TORCH_CHECK(q.size(1) % k_buf.size(1) == 0, "Hq must be a multiple of Hkv");
   TORCH_CHECK(token_req.numel() == q.size(0) && lens.numel() == q.size(0), "token_req and lens need one entry per query");
-  TORCH_CHECK(q.size(2) % at::vec::Vectorized<float>::size() == 0 &&
-                  q.size(2) <= kAccVecs * at::vec::Vectorized<float>::size(),
-              "head_dim must be a multiple of the vector width, at most 16 vectors");
+  TORCH_CHECK(q.size(2) % sluice::kScoreLanes == 0 && q.size(2) <= kAccVecs * at::vec::Vectorized<float>::size(),
+              "head_dim must be a multiple of 16, at most 16 vectors");
   q = q.contiguous();
   kv_idx = kv_idx.to(at::kLong).contiguous();
   token_req = token_req.to(at::kLong).contiguous();

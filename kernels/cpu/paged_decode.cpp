@@ -13,11 +13,11 @@
 // A sequence's positions are split into spans only when there are fewer (sequence, kv
 // head) pairs than threads (a single stream's step would otherwise leave cores idle);
 // each span keeps its own max, exp-sum and weighted V sum, merged at the end as
-// flash-decoding does. Elsewhere a plain loop with the same formula.
-//
-// The fastest decode; its sums are not the per-query order of paged_attention.cpp,
-// which deterministic inference uses for decodes too (a token decoded here and the
-// same token recomputed by an extend would differ in the last bits).
+// flash-decoding does. A span is attention_span.h's attend_span: a sequence not split
+// gets the bits paged_attention.cpp gives it, a split one (the merge) does not, so
+// deterministic inference uses paged_attention.cpp. Elsewhere a plain loop with the same
+// formula.
+#include "attention_span.h"
 #include "cpu_common.h"
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -108,75 +108,7 @@ static void decode_kernel(const Decode<T, KT>& a) {
 #if defined(CPU_CAPABILITY_AVX512)
 namespace {
 
-using sluice::load16;
-
-constexpr int64_t kMaxVecs = 16;  // G * D / 16 accumulators in registers (SmolLM2: 3 * 4)
 constexpr int64_t kMinSpan = 32;  // positions a span is worth splitting for
-constexpr int64_t kAhead = 8;     // positions ahead whose K / V rows are prefetched
-
-// (sluice::prefetch_row: bs 16's attention, 48 MB of KV a step at 130-token contexts, is
-// past this machine's L3 share.)
-using sluice::prefetch_row;
-
-// One span [t0, t1) of sequence i against kv head h: part = {max, exp-sum, G x D sums}
-// per query head. G * D / 16 <= kMaxVecs, D % 16 == 0 (checked by the caller).
-// kG, kDV > 0: G and D / 16 fixed at compile time, so that the loops over them unroll and
-// q and the V sums stay in registers (with runtime counts GCC keeps the sums in memory,
-// a load and a store around every FMA); the same operations in the same order.
-template <typename KT, int64_t kG = 0, int64_t kDV = 0>
-void decode_span(const float* qf, const KT* kp, const KT* vp, const int64_t* idx, int64_t t0, int64_t t1, int64_t row,
-                 int64_t h, int64_t G_, int64_t D, std::vector<float>& scores, float* part) {
-  using Vec = at::vec::Vectorized<float>;
-  const int64_t G = kG > 0 ? kG : G_, dv = kDV > 0 ? kDV : D / 16, len = t1 - t0;
-  if (static_cast<int64_t>(scores.size()) < G * len) scores.resize(G * len);
-  __m512 qv[kMaxVecs];
-  for (int64_t j = 0; j < G * dv; ++j) qv[j] = _mm512_loadu_ps(qf + 16 * j);
-  // Pass 1: scores[g * len + t] = q_g . k_t (q pre-scaled).
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + kAhead < len) prefetch_row(kp + idx[t0 + t + kAhead] * row + h * D, D * sizeof(KT));
-    const KT* kr = kp + idx[t0 + t] * row + h * D;
-    __m512 kv[kMaxVecs];
-    for (int64_t j = 0; j < dv; ++j) kv[j] = load16(kr + 16 * j);
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 acc = _mm512_mul_ps(qv[g * dv], kv[0]);
-      for (int64_t j = 1; j < dv; ++j) acc = _mm512_fmadd_ps(qv[g * dv + j], kv[j], acc);
-      scores[g * len + t] = _mm512_reduce_add_ps(acc);
-    }
-  }
-  // Softmax numerators per query head, 16 scores at a time.
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores.data() + g * len;
-    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    int64_t t = 0;
-    for (; t + 16 <= len; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + t));
-    float m = _mm512_reduce_max_ps(mv);
-    for (; t < len; ++t) m = std::max(m, sg[t]);
-    Vec sum(0.f);
-    for (t = 0; t < len; t += 16) {
-      const int64_t count = std::min<int64_t>(16, len - t);
-      const Vec e = (Vec::loadu(sg + t, count) - Vec(m)).exp();
-      e.store(sg + t, count);
-      sum = sum + Vec::loadu(sg + t, count);  // lanes past count load +0.0
-    }
-    part[g * (D + 2)] = m;
-    part[g * (D + 2) + 1] = _mm512_reduce_add_ps(sum);
-  }
-  // Pass 2: the numerator-weighted sum of V rows, every head's sums in registers.
-  __m512 acc[kMaxVecs];
-  for (int64_t j = 0; j < G * dv; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + kAhead < len) prefetch_row(vp + idx[t0 + t + kAhead] * row + h * D, D * sizeof(KT));
-    const KT* vr = vp + idx[t0 + t] * row + h * D;
-    __m512 vv[kMaxVecs];
-    for (int64_t j = 0; j < dv; ++j) vv[j] = load16(vr + 16 * j);
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
-      for (int64_t j = 0; j < dv; ++j) acc[g * dv + j] = _mm512_fmadd_ps(p, vv[j], acc[g * dv + j]);
-    }
-  }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < dv; ++j) _mm512_storeu_ps(part + g * (D + 2) + 2 + 16 * j, acc[g * dv + j]);
-}
 
 template <typename T, typename KT>
 void decode_avx512(const Decode<T, KT>& a) {
@@ -199,11 +131,7 @@ void decode_avx512(const Decode<T, KT>& a) {
         continue;
       }
       for (int64_t j = 0; j < G * D; ++j) qf[j] = static_cast<float>(qp[(i * Hq + h * G) * D + j]) * fscale;
-      // SmolLM2 (3 query heads a kv head) and Llama 3.2 1B (4), head_dim 64; else runtime counts.
-      const auto span = G == 3 && D == 64   ? decode_span<KT, 3, 4>
-                        : G == 4 && D == 64 ? decode_span<KT, 4, 4>
-                                            : decode_span<KT>;
-      span(qf.data(), kp, vp, ip + i * max_len, t0, t1, row, h, G, D, scores, part);
+      sluice::pick_attend_span<KT>(G, D)(qf.data(), kp, vp, ip + i * max_len, t0, t1, row, h, G, D, scores, part);
     }
   });
   // Merge the spans of each (sequence, query head): rescale to the common max.
@@ -238,7 +166,7 @@ template <typename T, typename KT>
 void decode(const Decode<T, KT>& a) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (!std::is_same_v<KT, double>) {
-    if (a.D % 16 == 0 && a.G * (a.D / 16) <= kMaxVecs) return decode_avx512(a);
+    if (a.D % 16 == 0 && a.G * (a.D / 16) <= sluice::kSpanVecs) return decode_avx512(a);
   }
 #endif
   decode_kernel(a);

@@ -1,0 +1,141 @@
+// The arithmetic of one query's attention, shared by both attention kernels, so that
+// a token gets the same bits whichever computes it (paged_attention.cpp, deterministic
+// inference: decode and extend; paged_decode.cpp, the default decode, when it does not
+// split a sequence into spans).
+//
+// For a query q (pre-scaled by 1/sqrt(D)) against positions p = 0 .. len-1:
+//   score[p] = sum16(lane), lane[r] = the fma chain over j = 0 .. D/16-1, in order, of
+//              q[16 j + r] * k_p[16 j + r] (its first term an fma onto +0), and sum16 the
+//              fixed tree (r + r+8), then (+4), (+2), (+1)
+//   m        = max over p; e[p] = exp(score[p] - m) (at::vec's vector exp)
+//   sum      = 16 lane sums (lane j: positions p = j mod 16, in order), then lanes 0..15
+//   out[d]   = (the fma chain over p, in order, of e[p] * v_p[d]) * (1 / sum)
+// Where the keys are rows (a decode: one query reads each K row once), a score is 4 fmas
+// and one sum16; where K is a transposed tile of 16 positions (an extend: 16 queries share
+// it), it is 16 lane vectors of positions and the same tree between them.
+#pragma once
+#include "cpu_common.h"
+#include <ATen/cpu/vec/vec.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace sluice {
+
+using Vecf = at::vec::Vectorized<float>;
+constexpr int64_t kScoreLanes = 16;  // channel lanes of a score (D % 16 == 0)
+
+// e[p] = exp(s[p] - m) in place over n scores; returns their sum in the fixed order above
+// (16 lane sums, then lanes 0..15). Lanes past n add nothing: a masked load reads +0.0,
+// and e >= 0 is unchanged by adding it.
+inline float exp_and_sum(float* s, int64_t n, float m) {
+  constexpr int64_t kVecs = 16 / Vecf::size();
+  Vecf lanes[kVecs];
+  for (int64_t v = 0; v < kVecs; ++v) lanes[v] = Vecf(0.f);
+  for (int64_t p0 = 0; p0 < n; p0 += 16) {
+    for (int64_t v = 0; v < kVecs; ++v) {
+      const int64_t p = p0 + v * Vecf::size();
+      if (p >= n) break;
+      const int64_t count = std::min<int64_t>(Vecf::size(), n - p);
+      const Vecf e = (Vecf::loadu(s + p, count) - Vecf(m)).exp();  // the same vector exp for every element
+      e.store(s + p, count);
+      lanes[v] = lanes[v] + Vecf::loadu(s + p, count);
+    }
+  }
+  float sums[16];
+  for (int64_t v = 0; v < kVecs; ++v) lanes[v].store(sums + v * Vecf::size());
+  float sum = 0.f;
+  for (int64_t j = 0; j < 16; ++j) sum += sums[j];
+  return sum;
+}
+
+inline float max_of(const float* s, int64_t n) {  // exact in any order
+  Vecf m(-std::numeric_limits<float>::infinity());
+  int64_t p = 0;
+  for (; p + Vecf::size() <= n; p += Vecf::size()) m = at::vec::maximum(m, Vecf::loadu(s + p));
+  float lanes[Vecf::size()];
+  m.store(lanes);
+  float out = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < Vecf::size(); ++j) out = std::max(out, lanes[j]);
+  for (; p < n; ++p) out = std::max(out, s[p]);
+  return out;
+}
+
+// a[0] = the tree over a[0..15] (each a vector of positions): a[r] + a[r+8], then +4, +2, +1.
+template <typename V>
+inline void sum16_lanes(V* a) {
+  for (int64_t w = 8; w >= 1; w /= 2)
+    for (int64_t r = 0; r < w; ++r) a[r] = a[r] + a[r + w];
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The same tree over the 16 lanes of one vector (one score's channel lanes).
+inline float sum16(__m512 v) {
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));  // r + r+8
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));      // + r+4
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                                       // + r+2
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));                                   // + r+1
+}
+
+constexpr int64_t kSpanVecs = 16;  // G * D / 16 sums in registers (SmolLM2: 3 * 4)
+constexpr int64_t kSpanAhead = 8;  // positions ahead whose K / V rows are prefetched
+
+// Positions [t0, t1) of one sequence (slots idx) against kv head h, for the G query heads
+// that share it (qf: G x D, pre-scaled), K and V read as rows straight from the pool:
+// part[g * (D + 2)] = the max score, [+1] = the exp-sum, [+2 ..] = the e-weighted V sums.
+// Over a whole sequence (t0 = 0, t1 = len), sums * (1 / exp-sum) is the order above.
+// G * D / 16 <= kSpanVecs, D % 16 == 0 (the callers check). kG, kDV > 0: G and D / 16 fixed
+// at compile time, so the loops over them unroll and q and the V sums stay in registers
+// (with runtime counts GCC keeps the sums in memory, a load and a store around every FMA).
+template <typename KT, int64_t kG = 0, int64_t kDV = 0>
+void attend_span(const float* qf, const KT* kp, const KT* vp, const int64_t* idx, int64_t t0, int64_t t1, int64_t row,
+                 int64_t h, int64_t G_, int64_t D, std::vector<float>& scores, float* part) {
+  const int64_t G = kG > 0 ? kG : G_, dv = kDV > 0 ? kDV : D / 16, len = t1 - t0;
+  if (static_cast<int64_t>(scores.size()) < G * len) scores.resize(G * len);
+  __m512 qv[kSpanVecs];
+  for (int64_t j = 0; j < G * dv; ++j) qv[j] = _mm512_loadu_ps(qf + 16 * j);
+  // Pass 1: scores[g * len + t] = q_g . k_t.
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kSpanAhead < len) prefetch_row(kp + idx[t0 + t + kSpanAhead] * row + h * D, D * sizeof(KT));
+    const KT* kr = kp + idx[t0 + t] * row + h * D;
+    __m512 kv[kSpanVecs];
+    for (int64_t j = 0; j < dv; ++j) kv[j] = load16(kr + 16 * j);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < dv; ++j) acc = _mm512_fmadd_ps(qv[g * dv + j], kv[j], acc);
+      scores[g * len + t] = sum16(acc);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * len;
+    const float m = max_of(sg, len);
+    part[g * (D + 2)] = m;
+    part[g * (D + 2) + 1] = exp_and_sum(sg, len, m);
+  }
+  // Pass 2: the e-weighted sum of V rows, every head's sums in registers.
+  __m512 acc[kSpanVecs];
+  for (int64_t j = 0; j < G * dv; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kSpanAhead < len) prefetch_row(vp + idx[t0 + t + kSpanAhead] * row + h * D, D * sizeof(KT));
+    const KT* vr = vp + idx[t0 + t] * row + h * D;
+    __m512 vv[kSpanVecs];
+    for (int64_t j = 0; j < dv; ++j) vv[j] = load16(vr + 16 * j);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 e = _mm512_set1_ps(scores[g * len + t]);
+      for (int64_t j = 0; j < dv; ++j) acc[g * dv + j] = _mm512_fmadd_ps(e, vv[j], acc[g * dv + j]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < dv; ++j) _mm512_storeu_ps(part + g * (D + 2) + 2 + 16 * j, acc[g * dv + j]);
+}
+
+// attend_span with G and D / 16 fixed at compile time where a known model's heads allow:
+// SmolLM2 (3 query heads a kv head) and Llama 3.2 1B (4), head_dim 64.
+template <typename KT>
+inline auto pick_attend_span(int64_t G, int64_t D) {
+  return G == 3 && D == 64 ? attend_span<KT, 3, 4> : G == 4 && D == 64 ? attend_span<KT, 4, 4> : attend_span<KT>;
+}
+#endif
+
+}  // namespace sluice
