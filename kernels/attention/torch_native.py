@@ -9,7 +9,7 @@ Deterministic mode (`--enable-deterministic-inference`) sends every token, decod
 extend, through the compiled kernel's per-query path instead: a token's attention
 is then one fixed-order computation over its own KV rows, identical whether the
 token is decoded, prefilled whole, prefilled in chunks after a cached prefix, or
-batched with anything (kernels/cpu/paged_decode.cpp). SDPA's flash kernel tiles
+batched with anything (kernels/cpu/paged_attention.cpp). SDPA's flash kernel tiles
 queries and keys by the sequence lengths, so its rows are not.
 """
 

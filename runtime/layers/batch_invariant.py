@@ -15,11 +15,21 @@ at M < 16 (a decode step of a few requests), nothing in memory-bound GEMVs.
 Layers whose kernel is already per-row (torch's int4 and int8 weight-only kernels:
 each output is one sequential K loop per row, whatever M) declare `row_invariant`
 and skip the blocking.
+
+A GGUF's Q4 layers have two per-row kernels: the exact Q4 blocks (fast at a few rows)
+and a bfloat16 copy on the kernels' tiles (fast for a prefill). Outside this mode the
+row count picks one. In it, a row's role does: `PromptRows` marks a forward's prompt
+tokens, which take the tiles, and every generated token (a decode, or a retracted
+request's recomputed output) takes the Q4 blocks. A token's kernel is then fixed by
+its request, so prefills run as fast as by default and decodes as well.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,3 +51,49 @@ def in_fixed_row_blocks(matmul: Callable[[torch.Tensor], torch.Tensor], x: torch
 def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` whose every row is independent of the other rows."""
     return in_fixed_row_blocks(lambda rows: F.linear(rows, weight, bias), x)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRows:
+    """The rows of one forward's packed tokens that are prompt tokens (deterministic
+    inference: they take a layer's bfloat16 tiles; the rest take its Q4 blocks).
+    `dense is None`: every row is a prompt token."""
+
+    dense: torch.Tensor | None  # [D] int64 row indices
+    rest: torch.Tensor | None  # [T - D] int64 row indices; None with dense
+
+    @staticmethod
+    def of(prefix_lens: Sequence[int], extend_lens: Sequence[int], prompt_lens: Sequence[int]) -> PromptRows | None:
+        """Request i extends positions [prefix, prefix + extend); those below its prompt
+        length are prompt tokens (a prefix of its rows). None: no row is."""
+        counts = [max(0, min(n, prompt - p)) for p, n, prompt in zip(prefix_lens, extend_lens, prompt_lens)]
+        if not any(counts):
+            return None
+        if counts == list(extend_lens):
+            return PromptRows(None, None)
+        dense: list[int] = []
+        rest: list[int] = []
+        start = 0
+        for n, d in zip(extend_lens, counts):
+            dense += range(start, start + d)
+            rest += range(start + d, start + n)
+            start += n
+        return PromptRows(torch.tensor(dense), torch.tensor(rest))
+
+
+_PROMPT_ROWS: ContextVar[PromptRows | None] = ContextVar("sluice_prompt_rows", default=None)
+
+
+@contextmanager
+def forward_prompt_rows(rows: PromptRows | None) -> Iterator[None]:
+    """`rows` is what `prompt_rows()` answers inside the block (one forward)."""
+    token = _PROMPT_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _PROMPT_ROWS.reset(token)
+
+
+def prompt_rows() -> PromptRows | None:
+    """The current forward's prompt rows (deterministic inference), or None: none."""
+    return _PROMPT_ROWS.get()

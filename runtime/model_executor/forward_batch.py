@@ -16,6 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from kernels.attention.base import AttentionBackend
+    from runtime.layers.batch_invariant import PromptRows
     from runtime.mem.kv_pool import KVPool
 
 
@@ -53,6 +54,8 @@ class ForwardBatch:
     # Prompt logprobs: packed token indices to score, and (set by the forward) their final hidden states.
     prompt_logprob_rows: torch.Tensor | None = None
     prompt_hidden: torch.Tensor | None = None
+    # Deterministic inference: which rows are prompt tokens (their linears' kernel).
+    prompt_rows: PromptRows | None = None
 
     @property
     def num_tokens(self) -> int:

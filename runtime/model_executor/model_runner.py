@@ -33,6 +33,7 @@ from runtime.model_executor.host_pipeline import HostPipeline
 from runtime.mem.kv_pool import KVPool
 from runtime.model_executor.sampler import SampleOutput, Sampler
 from runtime.model_executor.worker import BatchResult, ForwardInputs, ModelWorkerBatch, write_req_to_token
+from runtime.layers.batch_invariant import PromptRows, forward_prompt_rows
 from runtime.models.cpu_path import bind_cpu_ops, make_batch_invariant
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class ModelRunner:
             log.info("CPU kernels bound into the model", layers=bind_cpu_ops(model, cpu_ops))
         if deterministic:
             make_batch_invariant(model)
+        self.deterministic = deterministic
         self.model = model
         self.kv_pool = kv_pool
         self.attn_backend = attn_backend
@@ -145,6 +147,8 @@ class ModelRunner:
             attn_backend=self.attn_backend,
             prompt_logprob_rows=self._upload(mwb.prompt_logprob_rows) if mwb.prompt_logprob_rows else None,
         )
+        if self.deterministic and mwb.prompt_lens and not mwb.forward_mode.is_decode():
+            fb.prompt_rows = PromptRows.of(mwb.extend_prefix_lens, mwb.extend_seq_lens, mwb.prompt_lens)
         if not self._uses_graph(fb):  # a graph replay plans its own bucket
             self.attn_backend.init_forward_metadata(fb)
         return fb
@@ -162,7 +166,8 @@ class ModelRunner:
     def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:
         if self.graph_runner is not None and self._uses_graph(fb):
             return self.graph_runner.replay(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)
+        with forward_prompt_rows(fb.prompt_rows):
+            hidden = self.model(fb.input_ids, fb.positions, fb)
         if fb.forward_mode.is_decode():
             last = hidden
         else:

@@ -85,6 +85,7 @@ def encode(inputs: ForwardInputs, input_ids: torch.Tensor) -> tuple[torch.Tensor
         torch.tensor([row for row, _ in syncs], dtype=i64),
         torch.tensor([slots.numel() for _, slots in syncs], dtype=i64),
         *(slots.to(i64) for _, slots in syncs),
+        torch.tensor(inputs.prompt_lens or [0] * bs, dtype=i64),
         torch.tensor(inputs.prompt_logprob_rows, dtype=i64),
     ]
     payload = torch.cat(parts)
@@ -107,6 +108,7 @@ def decode(header: torch.Tensor, payload: torch.Tensor) -> ForwardInputs:
     prefix_slots = [take(p) if h else None for p, h in zip(prefix_lens, has_prefix)]
     sync_rows, sync_lens = take(s).tolist(), take(s).tolist()
     row_syncs = [(row, take(n)) for row, n in zip(sync_rows, sync_lens)]
+    prompt_lens = take(bs).tolist()
     return ForwardInputs(
         forward_mode=ForwardMode(mode),
         input_ids=input_ids,
@@ -118,6 +120,7 @@ def decode(header: torch.Tensor, payload: torch.Tensor) -> ForwardInputs:
         prefix_slots=prefix_slots,
         row_syncs=row_syncs,
         prompt_logprob_rows=payload[pos:].tolist(),
+        prompt_lens=prompt_lens,
     )
 
 

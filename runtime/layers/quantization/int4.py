@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, ClassVar, NamedTuple, cast
 import torch
 from torch import nn
 
+from runtime.layers.batch_invariant import prompt_rows
 from runtime.layers.linear import UnquantizedLinearMethod
 
 if TYPE_CHECKING:
@@ -142,9 +143,14 @@ def drop_dense_copy(layer: nn.Module) -> None:
 
 
 def _takes_dense(layer: LinearBase, x: torch.Tensor, min_rows: int) -> bool:
-    """The dense copy serves x: `min_rows` rows or more, and not under deterministic
-    inference (a row's kernel must not depend on how many rows share the call)."""
-    return not layer.batch_invariant and x.numel() >= min_rows * x.shape[-1]
+    """The dense copy serves all of x: from `min_rows` rows on. Under deterministic
+    inference a row's kernel must not depend on how many rows share the call: the copy
+    serves x exactly when it is the kernels' tiles (batch-invariant per ISA) and every
+    row is a prompt token (batch_invariant.PromptRows; q4q8 splits a mixed x)."""
+    if layer.batch_invariant:
+        rows = prompt_rows()
+        return hasattr(layer, "dense_tiles") and rows is not None and rows.dense is None
+    return x.numel() >= min_rows * x.shape[-1]
 
 
 def _on_rows(
@@ -164,15 +170,13 @@ def dense_matmul(
 ) -> torch.Tensor | None:
     """`x @ W.T (+ bias)` through the layer's bfloat16 copy of its quantized weight
     (`keep_dense_copy`, kept by gguf where bf16 matmuls are native) when the batch has
-    `min_rows` rows or more; None: use the packed kernel. Never under deterministic
-    inference: a row's kernel must not depend on how many rows share the call.
+    `min_rows` rows or more; None: use the packed kernel. Under deterministic inference,
+    when every row is a prompt token and the copy is the tiles (`_takes_dense`).
     `ops`: the CPU kernels, which run the tiles and cast around oneDNN where bound."""
     if not _takes_dense(layer, x, min_rows):
         return None
-    tiles = cast(torch.Tensor | None, getattr(layer, "dense_tiles", None))
-    if tiles is not None and ops is not None:
-        y = _on_rows(ops.bf16_linear, x, tiles)
-        return y if bias is None else y + bias
+    if hasattr(layer, "dense_tiles") and ops is not None:
+        return tiles_matmul(layer, x, bias, ops)
     packed = cast(torch.Tensor | None, getattr(layer, "dense_packed", None))
     weight = packed if packed is not None else cast(torch.Tensor | None, getattr(layer, "dense_weight", None))
     if weight is None:
@@ -185,6 +189,12 @@ def dense_matmul(
         y = torch.nn.functional.linear(xb, weight)
     out = to_dtype(y, x.dtype)
     return out if bias is None else out + bias
+
+
+def tiles_matmul(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None, ops: CpuOps) -> torch.Tensor:
+    """`x @ W.T (+ bias)` on the layer's bf16_linear tiles (`keep_dense_copy`), whatever M."""
+    y = _on_rows(ops.bf16_linear, x, cast(torch.Tensor, layer.dense_tiles))
+    return y if bias is None else y + bias
 
 
 def dense_silu_mul(layer: LinearBase, x: torch.Tensor, min_rows: int, ops: CpuOps) -> torch.Tensor | None:
@@ -203,7 +213,7 @@ class Int4LinearMethod(UnquantizedLinearMethod):
 
     # torch's kernel accumulates each output row in its own K loop, the same code for
     # any M (its row tiles only share the dequantized weights): batch-invariant as is
-    # (the dense copy, M-dependent, is off under deterministic inference: dense_matmul).
+    # (its dense copy, oneDNN's, is off under deterministic inference: _takes_dense).
     row_invariant: ClassVar[bool] = True
 
     def __init__(self, group_size: int = DEFAULT_GROUP_SIZE) -> None:

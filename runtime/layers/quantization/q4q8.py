@@ -17,7 +17,9 @@ big batches (prefill) a layer also keeps a bfloat16 copy, as the int4 path does
 (AMX or AVX512-BF16), with float32 sums and output.
 
 A row's result never depends on the other rows of the call (per-row quantization and
-accumulation order), so the method is batch-invariant as is.
+accumulation order), so the method is batch-invariant as is; under deterministic
+inference a prompt token's row takes the tiles whatever the row count, a generated
+token's the blocks (runtime/layers/batch_invariant.py PromptRows).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from typing import TYPE_CHECKING, ClassVar, cast
 import torch
 
 from runtime.layers.linear import UnquantizedLinearMethod
-from runtime.layers.quantization.int4 import dense_matmul, dense_silu_mul
+from runtime.layers.batch_invariant import prompt_rows
+from runtime.layers.quantization.int4 import dense_matmul, dense_silu_mul, tiles_matmul
 
 if TYPE_CHECKING:
     from kernels.cpu import CpuOps
@@ -87,9 +90,21 @@ class Q4Q8LinearMethod(UnquantizedLinearMethod):
         dense = dense_matmul(layer, x, bias, DENSE_MIN_ROWS, self.ops)
         if dense is not None:
             return dense
-        out = self.ops.q4_linear(x.reshape(-1, x.shape[-1]).float(), cast(torch.Tensor, layer.q4_weight)).to(x.dtype)
+        rows = prompt_rows() if layer.batch_invariant and hasattr(layer, "dense_tiles") else None
+        if rows is not None and rows.dense is not None and rows.rest is not None:
+            # Deterministic inference, prompt and generated tokens in one forward: each
+            # row on its role's kernel (batch_invariant.PromptRows).
+            x2 = x.reshape(-1, x.shape[-1])
+            out = x2.new_empty(x2.shape[0], cast(torch.Tensor, layer.q4_weight).shape[0] * LANES)
+            out[rows.dense] = tiles_matmul(layer, x2[rows.dense], None, self.ops)
+            out[rows.rest] = self._blocks(layer, x2[rows.rest])
+        else:
+            out = self._blocks(layer, x.reshape(-1, x.shape[-1]))
         out = out.view(*x.shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
+
+    def _blocks(self, layer: LinearBase, x2: torch.Tensor) -> torch.Tensor:
+        return self.ops.q4_linear(x2.float(), cast(torch.Tensor, layer.q4_weight)).to(x2.dtype)
 
     def silu_mul_dense(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
         """`silu(gate) * up` of a gate|up layer straight from its tiles where `apply` would
