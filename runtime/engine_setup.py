@@ -66,7 +66,12 @@ class EngineStack:
 def _pools(settings: EngineSettings, config: ModelConfig) -> MemoryPools:
     assert settings.max_total_tokens and settings.max_running_requests, "resolve_settings first"
     return MemoryPools.build(
-        settings.max_running_requests, config.context_len, settings.max_total_tokens, settings.page_size, settings.disable_radix_cache
+        settings.max_running_requests,
+        config.context_len,
+        settings.max_total_tokens,
+        settings.page_size,
+        settings.disable_radix_cache,
+        prompt_only=settings.enable_deterministic_inference,
     )
 
 

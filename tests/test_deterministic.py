@@ -98,3 +98,47 @@ def test_deterministic_inference_is_refused_where_it_is_not_implemented(make_eng
 
     with pytest.raises(SettingsError, match="deterministic"):
         make_engine(enable_deterministic_inference=True, disable_cpu_kernels=True)
+
+
+def test_recomputed_and_reused_outputs_change_no_bit(make_engine: Any, targets_and_fillers: tuple[list[Tokens], list[Tokens]]) -> None:
+    """The two ways a generated token's KV is met again: a retracted request re-prefills
+    its outputs (an extend, yet on the generated tokens' kernel: PromptRows), and a next
+    turn's prompt repeats an earlier prompt and its output (the tree shares prompts only,
+    so those tokens are prefilled as prompt tokens, as they are on an empty cache). Each
+    gives the tokens and the logprob bits the request gets alone on an empty cache."""
+    targets, _ = targets_and_fillers
+    max_new = 32
+    pool = max(len(t) for t in targets) + max_new + 64  # room for one, far from all at once
+    engine = make_engine(
+        enable_deterministic_inference=True,
+        max_total_tokens=pool,
+        chunked_prefill_size=64,
+        schedule_conservativeness=0.3,
+        **MODES["default"],  # where prompt and generated tokens take different kernels
+    )
+
+    def run(prompts: list[Tokens]) -> list[tuple[Tokens, list[float]]]:
+        outs = engine.generate(prompts, greedy(max_new), return_logprob=True)
+        return [(o["output_ids"], [lp for lp, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+
+    def each_alone(prompts: list[Tokens]) -> list[tuple[Tokens, list[float]]]:
+        results = []
+        for p in prompts:
+            empty_cache(engine)
+            results += run([p])
+        return results
+
+    alone = each_alone(targets)
+    empty_cache(engine)
+    assert run(targets) == alone
+    assert engine.get_server_info()["num_retracted_reqs_total"] > 0
+
+    next_turns = [t + out + t[:3] for t, (out, _) in zip(targets, alone)]
+    fresh = each_alone(next_turns)
+    after = []
+    for t, turn in zip(targets, next_turns):
+        empty_cache(engine)
+        run([t])  # the first turn, then the next with it cached
+        after += run([turn])
+    assert after == fresh
+    assert_all_memory_free(engine)

@@ -137,3 +137,45 @@ def test_cache_finished_req_donates_kv_and_frees_duplicates_and_row() -> None:
     assert cache.protected_size() == 0 and cache.total_size() == 5
     cache.evict(cache.total_size())
     assert cache.allocator.available_size() == 256
+
+
+def test_a_prompt_only_tree_never_shares_generated_tokens_kv() -> None:
+    """Deterministic inference computes prompt and generated tokens on different kernels,
+    so its tree (`prompt_only`) takes a request's prompt only and matches a request's
+    prompt only; generated tokens' KV, a retracted request's recomputed too, stays the
+    request's own and goes back to the allocator when it ends."""
+    cache = RadixCache(ReqToTokenPool(8, 128), TokenToKVPoolAllocator(256, 1), 1, prompt_only=True)
+    pool, allocator = cache.req_to_token_pool, cache.allocator
+
+    def start(req: Req) -> torch.Tensor:  # admit: borrow the match, allocate the rest of fill_ids
+        req.init_next_round_input(cache)
+        cache.inc_lock_ref(req.last_node)
+        req.req_pool_idx = pool.alloc()
+        own = allocator.alloc(len(req.fill_ids) - len(req.prefix_indices))
+        assert req.req_pool_idx is not None and own is not None
+        pool.write(req.req_pool_idx, 0, torch.cat([req.prefix_indices, own]))
+        return own
+
+    a = Req("a", [1, 2, 3, 4], SamplingParams(max_new_tokens=4))
+    start(a)
+    a.output_ids = [5, 6]  # KV for 1..5
+    extra = allocator.alloc(1)
+    assert extra is not None and a.req_pool_idx is not None
+    pool.write(a.req_pool_idx, 4, extra)
+    cache.cache_finished_req(a, kv_len=5)
+    assert cache.total_size() == 4  # the prompt; output 5's slot went back
+    assert allocator.available_size() == 256 - 4
+
+    # A retracted request whose prompt + outputs the tree could match further (another
+    # request's prompt 1..7) borrows its own prompt's part only and recomputes 4, 5, 6.
+    _insert(cache, [1, 2, 3, 4, 5, 6, 7])
+    c = Req("c", [1, 2, 3], SamplingParams(max_new_tokens=8))
+    c.output_ids = [4, 5, 6, 9]
+    own = start(c)
+    assert len(c.prefix_indices) == 3 and own.numel() == 4
+    assert cache.cache_unfinished_req(c) is False  # nothing past the prompt enters the tree
+    assert cache.total_size() == 7 and len(c.prefix_indices) == 7
+    cache.cache_finished_req(c, kv_len=7)
+    assert pool.available_size() == pool.size and cache.protected_size() == 0
+    cache.evict(cache.total_size())
+    assert allocator.available_size() == 256

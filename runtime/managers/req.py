@@ -135,6 +135,8 @@ class Req:
             limit = len(self.fill_ids) - 1
             if self.prompt_logprobs is not None and (scored := self.prompt_logprobs.prefix_limit()) is not None:
                 limit = min(limit, scored)
+            if tree_cache.prompt_only:  # a generated token's KV is always its own
+                limit = min(limit, len(self.origin_input_ids))
             self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[:limit])
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 

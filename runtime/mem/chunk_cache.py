@@ -20,6 +20,8 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class ChunkCache:
+    prompt_only = False  # shares nothing anyway
+
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, page_size: int) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator

@@ -33,9 +33,16 @@ class MemoryPools:
 
     @classmethod
     def build(
-        cls, max_running_requests: int, context_len: int, max_total_tokens: int, page_size: int, disable_radix_cache: bool
+        cls,
+        max_running_requests: int,
+        context_len: int,
+        max_total_tokens: int,
+        page_size: int,
+        disable_radix_cache: bool,
+        prompt_only: bool = False,
     ) -> MemoryPools:
+        """`prompt_only`: the radix cache shares prompt tokens' KV only (PrefixCache.prompt_only)."""
         req_pool = ReqToTokenPool(cls.rows_for(max_running_requests), context_len)
         allocator = TokenToKVPoolAllocator(max_total_tokens, page_size)
-        cache_cls = ChunkCache if disable_radix_cache else RadixCache
-        return cls(req_pool, allocator, cache_cls(req_pool, allocator, page_size), max_total_tokens)
+        cache = ChunkCache(req_pool, allocator, page_size) if disable_radix_cache else RadixCache(req_pool, allocator, page_size, prompt_only)
+        return cls(req_pool, allocator, cache, max_total_tokens)

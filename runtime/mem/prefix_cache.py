@@ -53,6 +53,10 @@ class CacheableReq(Protocol):
 
 class PrefixCache(Protocol):
     page_size: int
+    # Share prompt tokens' KV only, never generated tokens' (deterministic inference
+    # computes the two on different kernels: runtime/layers/batch_invariant.py PromptRows,
+    # so a prompt reusing another request's output KV would differ from its own prefill).
+    prompt_only: bool
 
     def reset(self) -> None: ...
 

@@ -9,6 +9,9 @@ Invariants:
 - A request borrows the page-aligned head of its `prefix_indices` from the tree
   (locked via `last_node`); what follows it (an unaligned tail shorter than a
   page, then everything computed since) is the request's own.
+- With `prompt_only` (deterministic inference) the tree takes prompt tokens only:
+  a request's borrowed head ends within its prompt, and its generated tokens' KV
+  (also a retracted request's recomputed ones) stays its own until it ends.
 """
 
 from __future__ import annotations
@@ -30,10 +33,13 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class RadixCache:
-    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, page_size: int) -> None:
+    def __init__(
+        self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, page_size: int, prompt_only: bool = False
+    ) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.page_size = page_size
+        self.prompt_only = prompt_only  # (PrefixCache.prompt_only)
         self.reset()
 
     # ---- tree primitives -------------------------------------------------
@@ -154,8 +160,12 @@ class RadixCache:
         return out
 
     # ---- request-level operations -----------------------------------------
+    def _shareable_len(self, req: CacheableReq, kv_len: int) -> int:
+        """How many of the request's first `kv_len` tokens the tree may take."""
+        return min(kv_len, len(req.origin_input_ids)) if self.prompt_only else kv_len
+
     def _borrowed_len(self, req: CacheableReq) -> int:
-        n = len(req.prefix_indices)
+        n = self._shareable_len(req, len(req.prefix_indices))
         return n - n % self.page_size
 
     def cache_finished_req(self, req: CacheableReq, kv_len: int) -> None:
@@ -167,7 +177,8 @@ class RadixCache:
         row = req.req_pool_idx
         assert row is not None
         kv = self.req_to_token_pool.req_to_token[row, :kv_len].to(torch.int64)
-        aligned = kv_len - kv_len % self.page_size
+        shared = self._shareable_len(req, kv_len)
+        aligned = shared - shared % self.page_size
         self.allocator.free(kv[aligned:])
         new_prefix = self.insert(tokens[:aligned], kv[:aligned])
         # Slots between what the request borrowed and what the tree already had are
@@ -189,7 +200,8 @@ class RadixCache:
         row = req.req_pool_idx
         assert row is not None
         kv = self.req_to_token_pool.req_to_token[row, : len(tokens)].to(torch.int64)
-        aligned = len(tokens) - len(tokens) % self.page_size
+        shared = self._shareable_len(req, len(tokens))
+        aligned = shared - shared % self.page_size
         borrowed = self._borrowed_len(req)
         new_prefix = self.insert(tokens[:aligned], kv[:aligned])
         self.allocator.free(kv[borrowed:new_prefix])
