@@ -62,10 +62,11 @@ inline float max_of(const float* s, int64_t n) {  // exact in any order
   return out;
 }
 
-// a[0] = the tree over a[0..15] (each a vector of positions): a[r] + a[r+8], then +4, +2, +1.
+// a[0] = the tree's last three levels over a[0..7] (each a vector of positions, a[r] being
+// lanes r + r+8 already): a[r] + a[r+4], then +2, +1.
 template <typename V>
-inline void sum16_lanes(V* a) {
-  for (int64_t w = 8; w >= 1; w /= 2)
+inline void sum8_lanes(V* a) {
+  for (int64_t w = 4; w >= 1; w /= 2)
     for (int64_t r = 0; r < w; ++r) a[r] = a[r] + a[r + w];
 }
 

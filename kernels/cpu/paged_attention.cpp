@@ -101,6 +101,26 @@ void transpose_rows(const KT* kp, const int64_t* idx, int64_t width, int64_t row
 }
 #endif
 
+// The V sums of `heads` query heads over positions [0, len): out[g * dv * W + c] = the fma
+// chain over p, in order, of e[g * span + p] * V_p[off + c] (W = Vec::size()). kH, kDV > 0:
+// counts fixed at compile time, so the sums stay in registers (with runtime counts GCC
+// keeps them in memory, a load and a store around every FMA); the same operations.
+template <int64_t kH = 0, int64_t kDV = 0>
+void v_sums(const float* e, int64_t span, const float* const* vrows, int64_t off, int64_t len, int64_t heads_,
+            int64_t dv_, float* out) {
+  const int64_t heads = kH > 0 ? kH : heads_, dv = kDV > 0 ? kDV : dv_;
+  Vec acc[kAccVecs];
+  for (int64_t a = 0; a < heads * dv; ++a) acc[a] = Vec(0.f);
+  for (int64_t p = 0; p < len; ++p) {
+    const float* vh = vrows[p] + off;
+    for (int64_t g = 0; g < heads; ++g) {
+      const Vec ep(e[g * span + p]);
+      for (int64_t v = 0; v < dv; ++v) acc[g * dv + v] = at::vec::fmadd(ep, Vec::loadu(vh + v * Vec::size()), acc[g * dv + v]);
+    }
+  }
+  for (int64_t a = 0; a < heads * dv; ++a) acc[a].store(out + a * Vec::size());
+}
+
 template <typename T, typename KT>
 void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& kv_idx,
                       const at::Tensor& token_req, const at::Tensor& lens, double scale, at::Tensor& out) {
@@ -182,7 +202,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
   // below, "head" hl is the item's query head h0 G + hl and kv head hl / G its kv head h0 + hl / G.
   sluice::parallel_for(blocks * (Hkv / hn), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(kQueries * hgn * D), kt(hn * D * kTile), rf(row), scores, vf, part(G * (D + 2));
-    std::vector<float> inv_sum(kQueries * hgn);
+    std::vector<float> inv_sum(kQueries * hgn), o(kAccVecs * Vec::size());
     std::vector<const float*> vrows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t w = order(item / (Hkv / hn)), h0 = item % (Hkv / hn) * hn;
@@ -230,12 +250,19 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
             const float* kh = ktile + (hl / G) * D * kTile;
             float* dst = scores.data() + (j * hgn + hl) * span + t0;
             for (int64_t v = 0; v < kVecs; ++v) {
-              Vec lane[sluice::kScoreLanes];  // lane r: channels r, r + 16, ... of 16 positions
-              for (int64_t r = 0; r < sluice::kScoreLanes; ++r) lane[r] = Vec(0.f);
-              for (int64_t c0 = 0; c0 < D; c0 += sluice::kScoreLanes)
-                for (int64_t r = 0; r < sluice::kScoreLanes; ++r)
-                  lane[r] = at::vec::fmadd(Vec(qd[c0 + r]), Vec::loadu(kh + (c0 + r) * kTile + v * Vec::size()), lane[r]);
-              sluice::sum16_lanes(lane);
+              // Lane r (channels r, r + 16, ... of 16 positions) and lane r + 8 as they finish,
+              // added at once: the tree's first level, with 8 sums live instead of 16.
+              Vec lane[sluice::kScoreLanes / 2];
+              for (int64_t r = 0; r < sluice::kScoreLanes / 2; ++r) {
+                Vec lo(0.f), hi(0.f);
+                for (int64_t c0 = 0; c0 < D; c0 += sluice::kScoreLanes) {
+                  const float* kc = kh + (c0 + r) * kTile + v * Vec::size();
+                  lo = at::vec::fmadd(Vec(qd[c0 + r]), Vec::loadu(kc), lo);
+                  hi = at::vec::fmadd(Vec(qd[c0 + r + 8]), Vec::loadu(kc + 8 * kTile), hi);
+                }
+                lane[r] = lo + hi;
+              }
+              sluice::sum8_lanes(lane);
               float tile[Vec::size()];
               lane[0].store(tile);
               const int64_t p = v * Vec::size();
@@ -271,23 +298,14 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
         for (int64_t h = 0; h < hn; ++h) {
           for (int64_t g0 = 0; g0 < G; g0 += heads_per_pass) {
             const int64_t heads = std::min(heads_per_pass, G - g0), hq0 = h * G + g0;  // (item-local)
-            Vec acc[kAccVecs];
-            for (int64_t a = 0; a < heads * dvecs; ++a) acc[a] = Vec(0.f);
-            const float* e0 = scores.data() + (j * hgn + hq0) * span;
-            for (int64_t p = 0; p < len; ++p) {
-              const float* vh = vrows[p] + h * D;
-              for (int64_t g = 0; g < heads; ++g) {
-                const Vec e(e0[g * span + p]);
-                for (int64_t v = 0; v < dvecs; ++v)
-                  acc[g * dvecs + v] = at::vec::fmadd(e, Vec::loadu(vh + v * Vec::size()), acc[g * dvecs + v]);
-              }
-            }
+            const auto sums = heads == 3 && dvecs == 4   ? v_sums<3, 4>
+                              : heads == 4 && dvecs == 4 ? v_sums<4, 4>
+                                                         : v_sums<>;
+            sums(scores.data() + (j * hgn + hq0) * span, span, vrows.data(), h * D, len, heads, dvecs, o.data());
             for (int64_t g = 0; g < heads; ++g) {
-              float o[kAccVecs * 16];
-              for (int64_t v = 0; v < dvecs; ++v) acc[g * dvecs + v].store(o + v * Vec::size());
               const float inv = inv_sum[j * hgn + hq0 + g];
               T* dst = op + ((first + j) * Hq + h0 * G + hq0 + g) * D;
-              for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] * inv);
+              for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[g * D + d] * inv);
             }
           }
         }
