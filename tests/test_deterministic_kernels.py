@@ -138,8 +138,8 @@ def test_every_attention_path_gives_a_token_one_result(
         def extend(first: int, last: int) -> torch.Tensor:  # request 0's tokens first..last-1
             return attend(q[first:last], torch.zeros(last - first, dtype=torch.long), torch.arange(first, last) + 1)
 
-        whole = extend(0, length)  # 5 blocks of 16 queries: shared tiles
-        assert torch.equal(torch.cat([extend(0, 40), extend(40, 52), extend(52, length)]), whole)  # 12, 18: own tiles
+        whole = extend(0, length)  # blocks of 8 queries (kQueries): shared tiles
+        assert torch.equal(torch.cat([extend(0, 40), extend(40, 46), extend(46, length)]), whole)  # 6: one block, own tiles
         for t in (0, 15, 16, 37, length - 1):  # lone decodes
             assert torch.equal(extend(t, t + 1), whole[t : t + 1]), t
         # A decode batch: request 0's last token among other requests' tokens of other lengths.

@@ -45,7 +45,7 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kTile = 16;     // positions per K tile (and lanes of a partial sum)
-constexpr int64_t kQueries = 16;  // queries of one request per work item
+constexpr int64_t kQueries = 8;  // queries of one request per work item (16: their scores left L2 from ~1k positions)
 constexpr int64_t kAhead = 8;     // positions ahead whose K / V rows are prefetched
 
 using sluice::exp_and_sum;
