@@ -5,6 +5,7 @@ One extension, `sluice_cpu_ops`, from every .cpp in this directory:
   paged_decode.cpp  decode attention read in place from the KV pool (the fast path)
   paged_attention.cpp  every token's attention in one per-query order, decode and
                     extend alike (deterministic inference)
+  attention_span.h  that per-query arithmetic, shared with paged_decode.cpp
   fused_ops.cpp     RMSNorm (+ residual add), RoPE in place, SiLU·mul, the KV write:
                     a decoder layer's row-wise ops in one pass each
   q8_linear.cpp     float32 x int8-block matmul (the GGUF's Q8_0 LM head)

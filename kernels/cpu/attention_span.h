@@ -82,6 +82,16 @@ inline float sum16(__m512 v) {
 constexpr int64_t kSpanVecs = 16;  // G * D / 16 sums in registers (SmolLM2: 3 * 4)
 constexpr int64_t kSpanAhead = 8;  // positions ahead whose K / V rows are prefetched
 
+// out = the dv vectors at `off` of the row of slot idx[t], widened; prefetches the row
+// kSpanAhead positions on (a sequence's slots are anywhere in the pool).
+template <typename KT>
+__attribute__((always_inline)) inline void load_row(const KT* buf, const int64_t* idx, int64_t t, int64_t len, int64_t row,
+                                                    int64_t off, int64_t dv, __m512* out) {
+  if (t + kSpanAhead < len) prefetch_row(buf + idx[t + kSpanAhead] * row + off, dv * 16 * sizeof(KT));
+  const KT* r = buf + idx[t] * row + off;
+  for (int64_t j = 0; j < dv; ++j) out[j] = load16(r + 16 * j);
+}
+
 // Positions [t0, t1) of one sequence (slots idx) against kv head h, for the G query heads
 // that share it (qf: G x D, pre-scaled), K and V read as rows straight from the pool:
 // part[g * (D + 2)] = the max score, [+1] = the exp-sum, [+2 ..] = the e-weighted V sums.
@@ -98,10 +108,8 @@ void attend_span(const float* qf, const KT* kp, const KT* vp, const int64_t* idx
   for (int64_t j = 0; j < G * dv; ++j) qv[j] = _mm512_loadu_ps(qf + 16 * j);
   // Pass 1: scores[g * len + t] = q_g . k_t.
   for (int64_t t = 0; t < len; ++t) {
-    if (t + kSpanAhead < len) prefetch_row(kp + idx[t0 + t + kSpanAhead] * row + h * D, D * sizeof(KT));
-    const KT* kr = kp + idx[t0 + t] * row + h * D;
     __m512 kv[kSpanVecs];
-    for (int64_t j = 0; j < dv; ++j) kv[j] = load16(kr + 16 * j);
+    load_row(kp, idx + t0, t, len, row, h * D, dv, kv);
     for (int64_t g = 0; g < G; ++g) {
       __m512 acc = _mm512_setzero_ps();
       for (int64_t j = 0; j < dv; ++j) acc = _mm512_fmadd_ps(qv[g * dv + j], kv[j], acc);
@@ -118,10 +126,8 @@ void attend_span(const float* qf, const KT* kp, const KT* vp, const int64_t* idx
   __m512 acc[kSpanVecs];
   for (int64_t j = 0; j < G * dv; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
-    if (t + kSpanAhead < len) prefetch_row(vp + idx[t0 + t + kSpanAhead] * row + h * D, D * sizeof(KT));
-    const KT* vr = vp + idx[t0 + t] * row + h * D;
     __m512 vv[kSpanVecs];
-    for (int64_t j = 0; j < dv; ++j) vv[j] = load16(vr + 16 * j);
+    load_row(vp, idx + t0, t, len, row, h * D, dv, vv);
     for (int64_t g = 0; g < G; ++g) {
       const __m512 e = _mm512_set1_ps(scores[g * len + t]);
       for (int64_t j = 0; j < dv; ++j) acc[g * dv + j] = _mm512_fmadd_ps(e, vv[j], acc[g * dv + j]);
