@@ -30,6 +30,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "decode-attention": ("bench.decode_attention", "One decode step's attention: CPU kernel (fp32/bf16 KV) vs torch."),
     "decode-step": ("bench.decode_step", "One decode step's forward: eager torch vs fused C++ kernels vs torch.compile."),
     "deterministic": ("bench.deterministic", "Temperature-0 completions alone vs in 5 batch compositions: how many differ."),
+    "multi-turn": ("bench.multi_turn", "Conversations whose turns repeat the earlier prompt and answer: TTFT and cache hits per turn."),
     "embeddings": ("bench.embeddings", "Embeddings per second of an --is-embedding engine (or server) at batch sizes 1 and 64."),
 }
 

@@ -1,0 +1,79 @@
+"""`sluice bench multi-turn`: conversations, the prefix cache's everyday job.
+
+Each of `--conversations` conversations starts from a random `--first-len`-token prompt;
+every turn generates `--answer-len` greedy tokens, and the next turn's prompt is the
+previous prompt, that answer and a new `--user-len`-token message. Per turn: the time to
+the first token (the turn's prompt sent with max_new_tokens = 1, so the number is the
+prefill of what the cache does not hold) and the tokens the cache served. `--ab
+enable_deterministic_inference=true` shows what that mode's prompt-only sharing costs
+(its radix cache never shares a generated token's KV: runtime/mem/prefix_cache.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+from bench.engine_runs import add_engine_arguments, close_engine, engine_settings, make_engine, variant_settings
+from bench.metrics import save_records
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--conversations", type=int, default=3, help="Conversations, run one after another.")
+    parser.add_argument("--turns", type=int, default=4, help="Turns per conversation.")
+    parser.add_argument("--first-len", type=int, default=128, help="Tokens of the first prompt.")
+    parser.add_argument("--user-len", type=int, default=32, help="Tokens of each later user message.")
+    parser.add_argument("--answer-len", type=int, default=128, help="Greedy tokens of each answer.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the random token ids.")
+    parser.add_argument("--ab", action="append", default=[], help="Settings variant KEY=VALUE[,...] run after the base.")
+    parser.add_argument("--output-file", default=None, help="Append one JSON line per variant.")
+    add_engine_arguments(parser)
+
+
+def run_conversations(engine: Any, args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
+    """Per turn (as a string key): first-token seconds and cached tokens, one entry per conversation."""
+    rng = random.Random(args.seed)
+    vocab = engine.model_config.vocab_size
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+
+    answer = {"max_new_tokens": args.answer_len, "temperature": 0, "ignore_eos": True}
+    ttft: dict[str, list[float]] = {str(t): [] for t in range(args.turns)}
+    cached: dict[str, list[float]] = {str(t): [] for t in range(args.turns)}  # (ints)
+    for _ in range(args.conversations):
+        assert engine.wait_idle(timeout=60) and engine.flush_cache(), "engine did not go idle"
+        prompt = tokens(args.first_len)
+        for turn in range(args.turns):
+            start = time.perf_counter()
+            first = engine.generate(prompt, {**answer, "max_new_tokens": 1})
+            ttft[str(turn)].append(time.perf_counter() - start)
+            cached[str(turn)].append(first["meta_info"]["cached_tokens"])
+            out = engine.generate(prompt, answer)
+            prompt = prompt + out["output_ids"] + tokens(args.user_len)
+    return {"ttft_s": ttft, "cached_tokens": cached}
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    base = engine_settings(args)
+    records = []
+    for spec in ["", *args.ab]:
+        engine = make_engine(variant_settings(base, spec))
+        try:
+            r: dict[str, Any] = {"variant": spec or "base", **run_conversations(engine, args)}
+            medians = {t: round(statistics.median(v) * 1e3, 1) for t, v in r["ttft_s"].items()}
+            hits = {t: statistics.median(v) for t, v in r["cached_tokens"].items()}
+            print(f"[{r['variant']}] median TTFT per turn (ms): {medians}; median cached tokens: {hits}")
+            records.append(r)
+        finally:
+            close_engine(engine)
+    save_records(args.output_file, "multi-turn", records, args)
+    return records
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args)
+    return 0
