@@ -1,7 +1,7 @@
 """Embedding routes of an --is-embedding server: OpenAI's POST /v1/embeddings and SGLang's
 native POST /encode. On a generation server both answer 400, as SGLang's do.
 
-Each input is one engine request (runtime/engine_encode.py); a request's inputs run
+Each input is one engine request (runtime/engine_requests.py RequestRoom.encode); a request's inputs run
 concurrently, so the scheduler batches them. Ownership: the admission ticket is held
 from before tokenization until every engine request has ended or been aborted, and a
 client that leaves aborts whatever is still running (nothing is left holding KV).

@@ -11,13 +11,11 @@ import asyncio
 import dataclasses
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from config.settings import EngineSettings
 from runtime import disaggregation, engine_setup
-from runtime.engine_encode import EncodeAPI
-from runtime.engine_requests import RequestAPI
+from runtime.engine_requests import RequestRoom
 from runtime.engine_setup import EngineStack
 from runtime.managers import trace_view
 from runtime.managers.io_struct import TraceJSON, TraceSummaryJSON
@@ -28,8 +26,7 @@ from runtime.managers.scheduler_loop import SchedulerLoop
 from runtime.managers.embedding_manager import output_processor
 
 
-class Engine(RequestAPI, EncodeAPI):
-    # generate*, abort: runtime/engine_requests.py; encode/async_encode: runtime/engine_encode.py
+class Engine:
     def __init__(self, settings: EngineSettings | None = None, *, stack: EngineStack | None = None, **overrides: Any) -> None:
         """Load the model for `settings` (with `overrides` applied), or run on a prebuilt
         `stack` (tests and benchmarks pass one around a stub worker)."""
@@ -55,7 +52,14 @@ class Engine(RequestAPI, EncodeAPI):
         if self.settings.grammar_backend == "xgrammar":
             backend = GrammarBackend(self.tokenizer, self.model_config.vocab_size)
             self.scheduler.grammars = GrammarManager(backend, self.scheduler.finish, self.scheduler.wake)
-        self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-tokenize")
+        self.requests = room = RequestRoom(
+            self.settings, self.model_config, self.tokenizer, self.pools, self.worker, self.scheduler, self.output,
+            self._ensure_started, self._call_on_loop,
+        )  # fmt: skip
+        # The request API is the room's (runtime/engine_requests.py), called on the engine.
+        self.generate, self.async_generate, self.async_generate_stream = room.generate, room.async_generate, room.async_generate_stream
+        self.encode, self.async_encode = room.encode, room.async_encode
+        self.abort, self.abort_all, self.self_check_bootstrap = room.abort, room.abort_all, room.self_check_bootstrap
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
@@ -126,7 +130,7 @@ class Engine(RequestAPI, EncodeAPI):
             self._thread.join(timeout=10)
             self._loop.close()
         self.scheduler_loop.executor.shutdown(wait=False)
-        self._tokenize_pool.shutdown(wait=False)
+        self.requests.close()
         self._close_workers()
         self._loop = None
 

@@ -1,5 +1,6 @@
 """Engine's request room: a prompt's way in (tokenize, validate, register with the
 scheduler) and its outputs' way back to the caller, on whichever loop the caller runs.
+Engine (runtime/engine.py) owns one and hands out its calls as its own.
 
 A request enters the scheduler only through `_register`, on the engine's loop. From then
 on the output processor hands its chunks to the request's `deliver` (every chunk when
@@ -19,8 +20,8 @@ from typing import TYPE_CHECKING, cast
 
 from config.settings import EngineSettings
 from runtime import disaggregation
-from runtime.engine_encode import Prompt
 from runtime.errors import InvalidRequest
+from runtime.managers.embedding_manager import EMBEDDING, EmbeddingOutput
 from runtime.managers.io_struct import FAKE_BOOTSTRAP_HOST, BootstrapInfo, GenerateOutput
 from runtime.managers.req import Req
 from runtime.managers.scheduler import Scheduler
@@ -34,22 +35,33 @@ from runtime.model_executor.worker import Worker
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+Prompt = str | list[int]  # a text or token ids
 Delivery = GenerateOutput | InvalidRequest  # what a request's queue carries to its caller
 
 
-class RequestAPI:
-    """Mixed into Engine (runtime/engine.py), which provides what is declared here."""
+class RequestRoom:
+    """Engine's generate / encode / abort calls over its scheduler. `ensure_started` starts
+    the engine's loop once and returns it; `call_on_loop(fn, *args)` runs fn on it."""
 
-    settings: EngineSettings
-    model_config: ModelConfig
-    tokenizer: PreTrainedTokenizerBase
-    pools: MemoryPools
-    worker: Worker
-    scheduler: Scheduler
-    output: OutputProcessor
-    _tokenize_pool: ThreadPoolExecutor
-    _ensure_started: Callable[[], asyncio.AbstractEventLoop]  # starts the engine's loop once
-    _call_on_loop: Callable[..., None]  # runs fn(*args) on the engine's loop
+    def __init__(
+        self,
+        settings: EngineSettings,
+        model_config: ModelConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        pools: MemoryPools,
+        worker: Worker,
+        scheduler: Scheduler,
+        output: OutputProcessor,
+        ensure_started: Callable[[], asyncio.AbstractEventLoop],
+        call_on_loop: Callable[..., None],
+    ) -> None:
+        self.settings, self.model_config, self.tokenizer = settings, model_config, tokenizer
+        self.pools, self.worker, self.scheduler, self.output = pools, worker, scheduler, output
+        self._ensure_started, self._call_on_loop = ensure_started, call_on_loop
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-tokenize")
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False)
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -218,3 +230,17 @@ class RequestAPI:
 
     def abort_all(self) -> None:
         self._call_on_loop(self.scheduler.abort, None)
+
+    # ---- embeddings (an --is-embedding engine; on a generation engine both raise InvalidRequest) ----
+    # An embedding request travels the generation path with `EMBEDDING` as its params:
+    # `make_req` turns it into an EmbeddingReq, the scheduler ends it after its prefill
+    # (runtime/managers/embedding_manager.py), and its one output carries the pooled,
+    # L2-normalized vector instead of text.
+    async def async_encode(self, prompt: Prompt, rid: str | None = None) -> EmbeddingOutput:
+        """The embedding of one prompt (text, tokenized with the model's special tokens,
+        or token ids). Cancelling the awaiting task aborts the request."""
+        return cast(EmbeddingOutput, await self._generate_one(prompt, EMBEDDING, rid, False, 0))
+
+    def encode(self, prompt: Prompt | list[str] | list[list[int]]) -> EmbeddingOutput | list[EmbeddingOutput]:
+        """One prompt's embedding, or a list for a batch (a list of texts or token-id lists)."""
+        return cast(EmbeddingOutput | list[EmbeddingOutput], self.generate(prompt, EMBEDDING))
