@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.datasets import TokenSampler
-from bench.engine_runs import add_engine_arguments, close_engine, engine_settings, make_engine, variant_settings
+from bench.engine_runs import add_engine_arguments, each_variant
 from bench.metrics import save_records
 
 Tokens = list[int]
@@ -120,25 +120,19 @@ def run_variant(engine: Any, targets: list[Tokens], fillers: list[Tokens], n: in
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    base = engine_settings(args)
-    records = []
-    for spec in ["", *args.ab]:
-        settings = variant_settings(base, spec)
-        engine = make_engine(settings)
-        try:
-            rng = random.Random(args.seed)
-            sampler = TokenSampler(engine.tokenizer, rng, engine.model_config.vocab_size)
-            targets, fillers = make_prompts(sampler, rng)
-            r = run_variant(engine, targets, fillers, args.max_new_tokens, args.seed)
-            r.update(variant=spec or "base", quantization=engine.settings.quantization,
-                     dtype=str(engine.model_config.dtype).removeprefix("torch."))  # fmt: skip
-            print(
-                f"[{r['variant']}] {r['dtype']}/{r['quantization']}: {r['differ_from_alone']} of {r['batched_completions']} "
-                f"batched completions differ from alone ({r['differ_by_composition']}); {r['seconds']:.1f} s"
-            )
-            records.append(r)
-        finally:
-            close_engine(engine)
+    def one(engine: Any) -> dict[str, Any]:
+        rng = random.Random(args.seed)
+        sampler = TokenSampler(engine.tokenizer, rng, engine.model_config.vocab_size)
+        targets, fillers = make_prompts(sampler, rng)
+        r = run_variant(engine, targets, fillers, args.max_new_tokens, args.seed)
+        return {**r, "quantization": engine.settings.quantization, "dtype": str(engine.model_config.dtype).removeprefix("torch.")}
+
+    records = each_variant(args, one)
+    for r in records:
+        print(
+            f"[{r['variant']}] {r['dtype']}/{r['quantization']}: {r['differ_from_alone']} of {r['batched_completions']} "
+            f"batched completions differ from alone ({r['differ_by_composition']}); {r['seconds']:.1f} s"
+        )
     save_records(args.output_file, "deterministic", records, args)
     return records
 

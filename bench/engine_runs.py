@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import gc
 import time
+from collections.abc import Callable
 from typing import Any
 
 from bench.datasets import BenchRequest
@@ -73,6 +74,20 @@ def close_engine(engine: Any) -> None:
     engine.shutdown()
     del engine
     gc.collect()
+
+
+def each_variant(args: argparse.Namespace, run: Callable[[Any], dict[str, Any]]) -> list[dict[str, Any]]:
+    """`run(engine)` on an engine of the base settings, then of each `--ab` variant, one
+    engine at a time; each record gets its `variant` ("base" or the spec)."""
+    base = engine_settings(args)
+    records = []
+    for spec in ["", *args.ab]:
+        engine = make_engine(variant_settings(base, spec))
+        try:
+            records.append({"variant": spec or "base", **run(engine)})
+        finally:
+            close_engine(engine)
+    return records
 
 
 def greedy_params(req: BenchRequest) -> dict[str, Any]:

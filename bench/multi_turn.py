@@ -17,7 +17,7 @@ import statistics
 import time
 from typing import Any
 
-from bench.engine_runs import add_engine_arguments, close_engine, engine_settings, make_engine, variant_settings
+from bench.engine_runs import add_engine_arguments, each_variant
 from bench.metrics import save_records
 
 
@@ -58,18 +58,11 @@ def run_conversations(engine: Any, args: argparse.Namespace) -> dict[str, dict[s
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    base = engine_settings(args)
-    records = []
-    for spec in ["", *args.ab]:
-        engine = make_engine(variant_settings(base, spec))
-        try:
-            r: dict[str, Any] = {"variant": spec or "base", **run_conversations(engine, args)}
-            medians = {t: round(statistics.median(v) * 1e3, 1) for t, v in r["ttft_s"].items()}
-            hits = {t: statistics.median(v) for t, v in r["cached_tokens"].items()}
-            print(f"[{r['variant']}] median TTFT per turn (ms): {medians}; median cached tokens: {hits}")
-            records.append(r)
-        finally:
-            close_engine(engine)
+    records = each_variant(args, lambda engine: run_conversations(engine, args))
+    for r in records:
+        medians = {t: round(statistics.median(v) * 1e3, 1) for t, v in r["ttft_s"].items()}
+        hits = {t: statistics.median(v) for t, v in r["cached_tokens"].items()}
+        print(f"[{r['variant']}] median TTFT per turn (ms): {medians}; median cached tokens: {hits}")
     save_records(args.output_file, "multi-turn", records, args)
     return records
 
