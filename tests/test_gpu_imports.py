@@ -23,12 +23,12 @@ from kernels.attention.flashinfer_backend import (
     paged_kv_layout,
     qo_indptr,
 )
-from kernels.attention.torch_native import TorchNativeBackend
 from runtime.model_executor.cuda_graph_runner import CudaGraphRunner, cuda_graph_batch_sizes, padding_waste, pick_bucket
 from runtime.model_executor.gpu_defaults import GiB, default_cuda_graph_max_bs, default_max_running_requests, gpu_memory_defaults, kv_pool_tokens
 from runtime.model_config import ModelConfig
 from runtime.model_executor.model_loader import load_model
-from tests.gpu import PagedBatches, fake_flashinfer, run_rounds
+from bench.paged_rounds import PagedRequests
+from tests.gpu import fake_flashinfer, run_rounds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -186,8 +186,8 @@ def test_backend_logits_match_torch_native(fake_fi: None, tmp_path: Path, page_s
     config, model = tiny_llama(tmp_path, heads, kv_heads)
     backend = make_backend(config, page_size)
     assert backend.use_tensor_cores == (heads // kv_heads >= 4)
-    ours = run_rounds(model, PagedBatches(config, backend, page_size, 3), SEQS, ROUNDS)
-    ref = run_rounds(model, PagedBatches(config, TorchNativeBackend(), 1, 3), SEQS, ROUNDS)
+    ours = run_rounds(model, PagedRequests(config, 3, page_size=page_size, backend=backend, seed=0), SEQS, ROUNDS)
+    ref = run_rounds(model, PagedRequests(config, 3, seed=0), SEQS, ROUNDS)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, atol=0.03 * b.abs().max().item(), rtol=0.0)
     assert backend.prefill.plans == 2 and backend.decode.plans == 2  # one plan per batch, not per layer
@@ -203,11 +203,11 @@ def test_graph_runner_padding_matches_eager(fake_fi: None, tmp_path: Path, page_
     rounds = [[10, 7, 9, 12, 8], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]
     rounds.append([20 - sum(r[i] for r in rounds) for i in range(n)])  # finish with an extend
 
-    eager = PagedBatches(config, make_backend(config, page_size), page_size, n)
+    eager = PagedRequests(config, n, page_size=page_size, backend=make_backend(config, page_size), seed=0)
     ref = run_rounds(model, eager, seqs, rounds)
 
     backend = make_backend(config, page_size)
-    graphed = PagedBatches(config, backend, page_size, n)
+    graphed = PagedRequests(config, n, page_size=page_size, backend=backend, seed=0)
     runner = CudaGraphRunner(model, backend, graphed.pool, graphed.req_to_token, max_bs=8, use_graphs=False)
     runner.capture()
     assert sorted(backend.graph_wrappers) == [1, 2, 4, 8]

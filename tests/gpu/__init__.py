@@ -1,9 +1,8 @@
 """Helpers shared by the GPU suite (tests/gpu, real FlashInfer on CUDA) and its CPU
 stand-in (tests/test_gpu_imports.py, a reference FlashInfer written in torch).
 
-`PagedBatches` hand-runs requests over a KVPool the way the scheduler lays them
-out: slot = page * page_size + offset, pages drawn from a shuffled list (so a
-request's pages are not contiguous), page 0 never used (the dummy page).
+`run_rounds` feeds sequences round by round through bench/paged_rounds.py's
+`PagedRequests` (here with shuffled pages: a request's pages are not contiguous).
 
 `fake_flashinfer()` is a module with FlashInfer 0.7's paged-wrapper API
 (`plan`/`run`, CUDA-graph mode writing into caller buffers) whose kernels are a
@@ -23,9 +22,7 @@ from typing import Any
 
 import torch
 
-from runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
-from runtime.mem.kv_pool import KVPool
-from runtime.model_config import ModelConfig
+from bench.paged_rounds import PagedRequests
 
 TINY_LLAMA: dict[str, Any] = dict(
     vocab_size=49152,  # SmolLM2's tokenizer, so the engine can detokenize
@@ -62,73 +59,8 @@ def write_model_dir(path: Path, **overrides: Any) -> Path:
     return path
 
 
-class PagedBatches:
-    def __init__(
-        self,
-        config: ModelConfig,
-        backend: Any,
-        page_size: int,
-        num_requests: int,
-        max_tokens: int = 128,
-        device: torch.device | str = "cpu",
-        seed: int = 0,
-    ) -> None:
-        self.page_size, self.device, self.backend = page_size, torch.device(device), backend
-        pages_per_req = -(-max_tokens // page_size)
-        num_pages = num_requests * pages_per_req
-        gen = torch.Generator().manual_seed(seed)
-        self.page_of = (torch.randperm(num_pages, generator=gen) + 1).view(num_requests, pages_per_req)
-        # Rows as engine_setup sizes them: num_pages + one dummy page, plus the extra row.
-        self.pool = KVPool((num_pages + 1) * page_size, config.num_layers, config.num_kv_heads, config.head_dim, config.dtype, device)
-        self.req_to_token = torch.zeros(num_requests, max_tokens, dtype=torch.int32, device=device)
-        self.lens = [0] * num_requests
-
-    def slot(self, row: int, pos: int) -> int:
-        return int(self.page_of[row, pos // self.page_size]) * self.page_size + pos % self.page_size
-
-    def batch(self, new_tokens: dict[int, list[int]], plan: bool = True) -> ForwardBatch:
-        rows = [r for r, toks in new_tokens.items() if toks]
-        ids, positions, locs, prefix, extend = [], [], [], [], []
-        for r in rows:
-            n, start = len(new_tokens[r]), self.lens[r]
-            slots = [self.slot(r, p) for p in range(start, start + n)]
-            self.req_to_token[r, start : start + n] = torch.tensor(slots, dtype=torch.int32, device=self.device)
-            ids += new_tokens[r]
-            positions += range(start, start + n)
-            locs += slots
-            prefix.append(start)
-            extend.append(n)
-            self.lens[r] += n
-        seq = [p + e for p, e in zip(prefix, extend)]
-        if all(e == 1 for e in extend):
-            mode = ForwardMode.DECODE
-        else:
-            mode = ForwardMode.MIXED if any(e == 1 for e in extend) else ForwardMode.EXTEND
-        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
-        fb = ForwardBatch(
-            forward_mode=mode,
-            batch_size=len(rows),
-            input_ids=as_t(ids),
-            positions=as_t(positions),
-            out_cache_loc=as_t(locs),
-            req_pool_indices=as_t(rows),
-            seq_lens=as_t(seq),
-            extend_prefix_lens=as_t(prefix),
-            extend_seq_lens=as_t(extend),
-            seq_lens_cpu=seq,
-            extend_prefix_lens_cpu=prefix,
-            extend_seq_lens_cpu=extend,
-            req_to_token=self.req_to_token,
-            kv_pool=self.pool,
-            attn_backend=self.backend,
-        )
-        if plan:
-            self.backend.init_forward_metadata(fb)
-        return fb
-
-
 @torch.inference_mode()
-def run_rounds(model: torch.nn.Module, batches: PagedBatches, seqs: list[list[int]], rounds: list[list[int]], graph_runner: Any = None) -> list[torch.Tensor]:
+def run_rounds(model: torch.nn.Module, batches: PagedRequests, seqs: list[list[int]], rounds: list[list[int]], graph_runner: Any = None) -> list[torch.Tensor]:
     """Feed `rounds[k][i]` more tokens of `seqs[i]` in round k; float32 logits [len, vocab] per
     sequence. Decode rounds go through `graph_runner` when one is given."""
     fed = [0] * len(seqs)

@@ -15,7 +15,8 @@ from runtime.model_executor.cuda_graph_runner import CudaGraphRunner
 from runtime.model_config import ModelConfig
 from runtime.model_executor.model_loader import load_model
 from tests.conftest import assert_all_memory_free
-from tests.gpu import PagedBatches, run_rounds, write_model_dir
+from bench.paged_rounds import PagedRequests
+from tests.gpu import run_rounds, write_model_dir
 
 pytestmark = pytest.mark.gpu
 
@@ -45,11 +46,11 @@ def test_graph_replay_matches_eager_with_padding(tiny: tuple[ModelConfig, torch.
     def backend() -> FlashInferBackend:
         return FlashInferBackend(DEV, config.num_heads, config.num_kv_heads, config.head_dim, page_size, config.dtype)
 
-    eager = PagedBatches(config, backend(), page_size, n, device=DEV)
+    eager = PagedRequests(config, n, page_size=page_size, backend=backend(), device=DEV, seed=0)
     ref = run_rounds(model, eager, seqs, rounds)
 
     fi = backend()
-    graphed = PagedBatches(config, fi, page_size, n, device=DEV)
+    graphed = PagedRequests(config, n, page_size=page_size, backend=fi, device=DEV, seed=0)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     runner = CudaGraphRunner(model, fi, graphed.pool, graphed.req_to_token, max_bs=8, stream=stream)

@@ -11,7 +11,8 @@ from kernels.attention.flashinfer_backend import FlashInferBackend
 from kernels.attention.torch_native import TorchNativeBackend
 from runtime.model_config import ModelConfig
 from runtime.model_executor.model_loader import load_model
-from tests.gpu import PagedBatches, run_rounds, write_model_dir
+from bench.paged_rounds import PagedRequests
+from tests.gpu import run_rounds, write_model_dir
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +21,7 @@ ROUNDS_3 = [[30, 8, 0], [8, 1, 5], [1, 0, 1], [1, 1, 1]]  # EXTEND; MIXED over p
 
 
 def shapes(heads: int, kv_heads: int, head_dim: int = 128, layers: int = 1) -> types.SimpleNamespace:
-    return types.SimpleNamespace(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=torch.bfloat16)
+    return types.SimpleNamespace(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -29,7 +30,7 @@ def test_attention_matches_torch_native_in_every_mode(page_size: int, heads: int
     cfg = shapes(heads, kv_heads)
     fi = FlashInferBackend(DEV, heads, kv_heads, cfg.head_dim, page_size, torch.bfloat16)
     ref = TorchNativeBackend()
-    batches = PagedBatches(cfg, ref, page_size, num_requests=3, max_tokens=256, device=DEV)  # type: ignore[arg-type]
+    batches = PagedRequests(cfg, 3, 256, page_size=page_size, backend=ref, device=DEV, seed=0)  # type: ignore[arg-type]
     gen = torch.Generator(device=DEV).manual_seed(0)
     scale = cfg.head_dim**-0.5
     modes = []
@@ -61,8 +62,8 @@ def test_tiny_llama_logits_match_torch_native(tiny: tuple[ModelConfig, torch.nn.
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (40, 9, 6)]
     fi = FlashInferBackend(DEV, config.num_heads, config.num_kv_heads, config.head_dim, page_size, config.dtype)
-    ours = run_rounds(model, PagedBatches(config, fi, page_size, 3, device=DEV), seqs, ROUNDS_3[:3] + [[1, 0, 0]])
-    ref = run_rounds(model, PagedBatches(config, TorchNativeBackend(), page_size, 3, device=DEV), seqs, ROUNDS_3[:3] + [[1, 0, 0]])
+    ours = run_rounds(model, PagedRequests(config, 3, page_size=page_size, backend=fi, device=DEV, seed=0), seqs, ROUNDS_3[:3] + [[1, 0, 0]])
+    ref = run_rounds(model, PagedRequests(config, 3, page_size=page_size, device=DEV, seed=0), seqs, ROUNDS_3[:3] + [[1, 0, 0]])
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, atol=0.03 * b.abs().max().item(), rtol=0.0)
         cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
@@ -73,6 +74,6 @@ def test_workspace_and_wrappers_are_built_once(tiny: tuple[ModelConfig, torch.nn
     config, model = tiny
     fi = FlashInferBackend(DEV, config.num_heads, config.num_kv_heads, config.head_dim, 1, config.dtype)
     workspace, prefill, decode = fi.workspace.data_ptr(), fi.prefill, fi.decode
-    run_rounds(model, PagedBatches(config, fi, 1, 2, device=DEV), [[1] * 10, [2] * 5], [[9, 4], [1, 1]])
+    run_rounds(model, PagedRequests(config, 2, backend=fi, device=DEV, seed=0), [[1] * 10, [2] * 5], [[9, 4], [1, 1]])
     assert (fi.workspace.data_ptr(), fi.prefill, fi.decode) == (workspace, prefill, decode)
     assert fi.use_tensor_cores  # GQA group 4
