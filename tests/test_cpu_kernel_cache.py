@@ -21,3 +21,32 @@ def test_a_cpu_with_other_flags_gets_its_own_kernel_build(monkeypatch: pytest.Mo
 def test_this_cpus_flags_are_read() -> None:
     flags = cpu._cpu_flags()
     assert flags and (not Path("/proc/cpuinfo").exists() or flags.startswith(b"flags"))
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_start(tmp_path: Path) -> None:
+    """torch's loader waits while its `lock` file exists; a build killed midway leaves one.
+    A process holding the build guard and then killed must not block the next one either."""
+    import subprocess
+    import sys
+    import threading
+
+    (tmp_path / "lock").touch()  # left by a killed build
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('held', flush=True); time.sleep(600)", str(tmp_path / "sluice.lock")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    holder.kill()  # a start interrupted while building
+    holder.wait()
+    entered = threading.Event()
+
+    def start() -> None:
+        with cpu._exclusive_build(tmp_path):
+            entered.set()
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(timeout=120)  # a deadlock detector, not a speed bound
+    assert entered.is_set(), "the build guard outlived its killed holder"
+    assert not (tmp_path / "lock").exists()

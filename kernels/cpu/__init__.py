@@ -23,9 +23,11 @@ callers fall back to the torch path.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol, cast
 
@@ -104,13 +106,35 @@ def _cpu_flags() -> bytes:
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
 
 
+# In the cache key: a loader without _exclusive_build's guard (an older sluice) holds
+# torch's `lock` while it builds, which this one would take for a leftover; the two never
+# share a directory.
+BUILD_GUARD = b"flock-guarded loader"
+
+
 def _build_dir() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice" / "kernels"
     sources = b"".join(p.name.encode() + p.read_bytes() for p in [*_SOURCES, *_HEADERS])
-    digest = hashlib.sha256(sources + " ".join(CFLAGS).encode() + torch.__version__.encode() + _cpu_flags()).hexdigest()[:16]
+    key = sources + " ".join(CFLAGS).encode() + torch.__version__.encode() + _cpu_flags() + BUILD_GUARD
+    digest = hashlib.sha256(key).hexdigest()[:16]
     path = base / f"cpu_ops-{digest}"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@contextmanager
+def _exclusive_build(build_dir: Path) -> Iterator[None]:
+    """One process at a time builds or loads `build_dir`'s extension. torch's loader keeps
+    builds apart with a `lock` file there and waits, forever, while one exists; a build
+    killed midway (Ctrl-C on a first start) leaves it behind, and every later start would
+    hang. Here an flock, which the kernel drops when its holder dies, guards the loader;
+    whoever holds it is the only process inside, so a `lock` it finds is such a leftover."""
+    with open(build_dir / "sluice.lock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        if (build_dir / "lock").exists():
+            log.warning("removing the lock of an interrupted kernel build", path=str(build_dir / "lock"))
+            (build_dir / "lock").unlink(missing_ok=True)
+        yield
 
 
 def load_cpu_ops() -> CpuOps | None:
@@ -125,14 +149,15 @@ def load_cpu_ops() -> CpuOps | None:
             build_dir = _build_dir()
             if not any(build_dir.glob("*.so")):
                 log.info("building the CPU kernels (once per machine and CPU)...")
-            module = load(
-                name="sluice_cpu_ops",
-                sources=[str(p) for p in _SOURCES],
-                build_directory=str(build_dir),
-                extra_cflags=CFLAGS,
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            with _exclusive_build(build_dir):
+                module = load(
+                    name="sluice_cpu_ops",
+                    sources=[str(p) for p in _SOURCES],
+                    build_directory=str(build_dir),
+                    extra_cflags=CFLAGS,
+                    extra_ldflags=["-fopenmp"],
+                    verbose=False,
+                )
             _loaded["ops"] = cast(CpuOps, module)
         except Exception as exc:  # no compiler, no ninja, build error: use torch
             log.warning("CPU kernels unavailable; using the torch paths", error=str(exc))
