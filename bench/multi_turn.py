@@ -17,6 +17,7 @@ import statistics
 import time
 from typing import Any
 
+from bench.datasets import TokenSampler
 from bench.engine_runs import add_engine_arguments, each_variant
 from bench.metrics import save_records
 
@@ -35,12 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_conversations(engine: Any, args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     """Per turn (as a string key): first-token seconds and cached tokens, one entry per conversation."""
-    rng = random.Random(args.seed)
-    vocab = engine.model_config.vocab_size
-
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(100, vocab) for _ in range(n)]
-
+    tokens = TokenSampler(engine.tokenizer, random.Random(args.seed), engine.model_config.vocab_size).sample
     answer = {"max_new_tokens": args.answer_len, "temperature": 0, "ignore_eos": True}
     ttft: dict[str, list[float]] = {str(t): [] for t in range(args.turns)}
     cached: dict[str, list[float]] = {str(t): [] for t in range(args.turns)}  # (ints)

@@ -36,9 +36,11 @@ def test_a_build_killed_midway_does_not_hang_the_next_start(tmp_path: Path) -> N
          "print('held', flush=True); time.sleep(600)", str(tmp_path / "sluice.lock")],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-    holder.kill()  # a start interrupted while building
-    holder.wait()
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    finally:
+        holder.kill()  # a start interrupted while building (and never left behind)
+        holder.wait()
     entered = threading.Event()
 
     def start() -> None:
