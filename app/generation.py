@@ -26,6 +26,7 @@ from runtime.errors import InvalidRequest
 from runtime.managers.io_struct import BootstrapInfo, GenerateOutput, MetaInfo, PromptTokenLogprob, TokenLogprob
 from runtime.managers.trace import TraceOptions
 from runtime.sampling_params import SamplingParams
+from runtime.token_roles import Span, TokenPrompt
 
 if TYPE_CHECKING:
     from runtime import Engine
@@ -52,6 +53,7 @@ class Choice:
     bootstrap: BootstrapInfo | None = None  # prefill/decode disaggregation
     logprob_start_len: int = -1  # >= 0: the engine reports the prompt's logprobs from there on
     priority: int | None = None  # None: not given (the engine's default)
+    answer_spans: tuple[Span, ...] = ()  # earlier answers in the prompt (runtime/token_roles.py)
     text_parts: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -147,7 +149,7 @@ class GenerationGroup:
         stream: AsyncGenerator[GenerateOutput, None] | None = None
         try:
             stream = engine.async_generate_stream(
-                choice.prompt_ids,
+                TokenPrompt(choice.prompt_ids, choice.answer_spans),
                 choice.params,
                 rid=choice.rid,
                 return_logprob=self._return_logprob,

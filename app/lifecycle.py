@@ -81,7 +81,9 @@ async def start_engine(state: AppState, factory: EngineFactory) -> None:
         await engine.start()
         loop = asyncio.get_running_loop()
         engine.add_fatal_listener(lambda reason: loop.call_soon_threadsafe(engine_failed, state, reason))
-        state.attach(engine, TokenizerService(engine.tokenizer))
+        # Deterministic inference keys an earlier answer's KV by its role: a chat's next turn
+        # says where its assistant messages are, to reuse it (runtime/token_roles.py).
+        state.attach(engine, TokenizerService(engine.tokenizer, mark_answers=engine.settings.enable_deterministic_inference))
         await _warm_up(state)
         if state.bound is not None:
             await _wait_listening(state.bound)

@@ -28,9 +28,8 @@ async def _plan(state: AppState, req: ChatCompletionRequest, tokens: TokenizerSe
         tools = ToolPlan.of(req.tools, req.tool_choice, state.architecture, req.parallel_tool_calls)
     except ValueError as exc:
         raise APIError(400, str(exc), param="tool_choice") from exc
-    prompt = await tokens.apply_chat_template([m.for_template() for m in req.messages], tools.template_tools())
-    # The template already holds the special tokens (BOS, role markers).
-    prompt_ids = await tokens.encode(prompt, add_special_tokens=False)
+    prompt = await tokens.chat_prompt([m.for_template() for m in req.messages], tools.template_tools())
+    prompt_ids = prompt.input_ids
     max_new = check_context(len(prompt_ids), req.requested_max_tokens, state.context_len, unit="messages")
     params = sampling_params(req, max_new)
     params = with_constraint(params, req.response_format.constraint() if req.response_format else None)
@@ -39,7 +38,8 @@ async def _plan(state: AppState, req: ChatCompletionRequest, tokens: TokenizerSe
     boots = req.bootstraps(1, req.n)
     priority = request_priority(req.priority)
     choices = [
-        Choice(i, group_id if req.n == 1 else f"{group_id}-{i}", prompt_ids, for_choice(params, i), boots[i], priority=priority)
+        Choice(i, group_id if req.n == 1 else f"{group_id}-{i}", prompt_ids, for_choice(params, i), boots[i], priority=priority,
+               answer_spans=prompt.answer_spans)
         for i in range(req.n)
     ]
     return Plan(

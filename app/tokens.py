@@ -14,13 +14,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from app.errors import APIError
+from runtime.token_roles import Span, TokenPrompt
 
 T = TypeVar("T")
 
 
 class TokenizerService:
-    def __init__(self, tokenizer: Any, max_workers: int = 2) -> None:
+    def __init__(self, tokenizer: Any, max_workers: int = 2, *, mark_answers: bool = False) -> None:
+        """`mark_answers`: chat prompts say where their assistant messages are (the engine
+        runs deterministic inference, which keys their KV by role: runtime/token_roles.py)."""
         self.tokenizer = tokenizer
+        self.mark_answers = mark_answers
         self.vocab_size = len(tokenizer)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="sluice-tokenizer")
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
@@ -39,18 +43,44 @@ class TokenizerService:
         return list(ids)
 
     async def apply_chat_template(self, messages: list[dict[str, object]], tools: list[dict[str, object]] | None = None) -> str:
+        return await self._run(self._render, messages, tools, what="apply the chat template")
+
+    async def chat_prompt(self, messages: list[dict[str, object]], tools: list[dict[str, object]] | None = None) -> TokenPrompt:
+        """The templated conversation's token ids (the template holds the special tokens),
+        with `mark_answers` the spans of the assistant messages' text."""
+        return await self._run(self._chat_prompt, messages, tools, self.mark_answers, what="apply the chat template")
+
+    def _render(self, messages: list[dict[str, object]], tools: list[dict[str, object]] | None) -> str:
         extra = {"tools": tools} if tools else {}  # templates without tool support ignore it
-        text = await self._run(
-            self.tokenizer.apply_chat_template,
-            messages,
-            tokenize=False,
-            add_generation_prompt=True,
-            what="apply the chat template",
-            **extra,
-        )
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         if not isinstance(text, str):
             raise APIError(400, "The chat template did not produce text.")
         return text
+
+    def _chat_prompt(self, messages: list[dict[str, object]], tools: list[dict[str, object]] | None, mark_answers: bool) -> TokenPrompt:
+        text = self._render(messages, tools)
+        if not (mark_answers and getattr(self.tokenizer, "is_fast", False)):  # offsets need a fast tokenizer
+            return TokenPrompt(list(self.tokenizer.encode(text, add_special_tokens=False)))
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        answers = self._answer_chars(messages, tools, text)
+        return TokenPrompt(list(encoded["input_ids"]), _token_spans(encoded["offset_mapping"], answers))
+
+    def _answer_chars(self, messages: list[dict[str, object]], tools: list[dict[str, object]] | None, text: str) -> list[Span]:
+        """Where each assistant message's text lies in `text`: right after the template's
+        rendering of the messages before it with a generation prompt (where the model
+        began writing it). A template that renders it elsewhere or changed gets no span."""
+        spans: list[Span] = []
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            if message.get("role") != "assistant" or not isinstance(content, str) or not content or i == 0:
+                continue
+            try:
+                head = self._render(messages[:i], tools)
+            except Exception:  # noqa: BLE001 - a template that cannot end there: no span
+                continue
+            if text.startswith(content, len(head)) and text.startswith(head):
+                spans.append((len(head), len(head) + len(content)))
+        return spans
 
     async def decode(self, ids: list[int]) -> str:
         self.check_ids(ids, "tokens")
@@ -66,3 +96,20 @@ class TokenizerService:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _token_spans(offsets: list[tuple[int, int]], chars: list[Span]) -> tuple[Span, ...]:
+    """The runs of tokens whose characters lie inside one of `chars` (sorted spans)."""
+    spans: list[Span] = []
+    k = 0
+    for i, (start, end) in enumerate(offsets):
+        while k < len(chars) and chars[k][1] < end:
+            k += 1
+        if k == len(chars):
+            break
+        if chars[k][0] <= start < end:
+            if spans and spans[-1][1] == i:
+                spans[-1] = (spans[-1][0], i + 1)
+            else:
+                spans.append((i, i + 1))
+    return tuple(spans)

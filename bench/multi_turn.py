@@ -4,9 +4,12 @@ Each of `--conversations` conversations starts from a random `--first-len`-token
 every turn generates `--answer-len` greedy tokens, and the next turn's prompt is the
 previous prompt, that answer and a new `--user-len`-token message. Per turn: the time to
 the first token (the turn's prompt sent with max_new_tokens = 1, so the number is the
-prefill of what the cache does not hold) and the tokens the cache served. `--ab
-enable_deterministic_inference=true` shows what that mode's prompt-only sharing costs
-(its radix cache never shares a generated token's KV: runtime/mem/prefix_cache.py).
+prefill of what the cache does not hold) and the tokens the cache served.
+
+A next turn marks the earlier answers in its prompt, as the chat route does
+(runtime/token_roles.py TokenPrompt); `--unmarked-answers` sends them as plain tokens, as a
+client of /generate does. Under `--ab enable_deterministic_inference=true` only a marked
+answer's KV is shared (that mode's tree keys a token by its role).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 from bench.datasets import TokenSampler
 from bench.engine_runs import add_engine_arguments, each_variant
 from bench.metrics import save_records
+from runtime.token_roles import TokenPrompt
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-len", type=int, default=128, help="Tokens of the first prompt.")
     parser.add_argument("--user-len", type=int, default=32, help="Tokens of each later user message.")
     parser.add_argument("--answer-len", type=int, default=128, help="Greedy tokens of each answer.")
+    parser.add_argument("--unmarked-answers", action="store_true", help="Send earlier answers back as plain prompt tokens.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the random token ids.")
     parser.add_argument("--ab", action="append", default=[], help="Settings variant KEY=VALUE[,...] run after the base.")
     parser.add_argument("--output-file", default=None, help="Append one JSON line per variant.")
@@ -42,14 +47,16 @@ def run_conversations(engine: Any, args: argparse.Namespace) -> dict[str, dict[s
     cached: dict[str, list[float]] = {str(t): [] for t in range(args.turns)}  # (ints)
     for _ in range(args.conversations):
         assert engine.wait_idle(timeout=60) and engine.flush_cache(), "engine did not go idle"
-        prompt = tokens(args.first_len)
+        prompt = TokenPrompt(tokens(args.first_len))
         for turn in range(args.turns):
             start = time.perf_counter()
             first = engine.generate(prompt, {**answer, "max_new_tokens": 1})
             ttft[str(turn)].append(time.perf_counter() - start)
             cached[str(turn)].append(first["meta_info"]["cached_tokens"])
-            out = engine.generate(prompt, answer)
-            prompt = prompt + out["output_ids"] + tokens(args.user_len)
+            out = engine.generate(prompt, answer)["output_ids"]
+            n = len(prompt.input_ids)
+            spans = prompt.answer_spans if args.unmarked_answers else (*prompt.answer_spans, (n, n + len(out)))
+            prompt = TokenPrompt(prompt.input_ids + out + tokens(args.user_len), spans)
     return {"ttft_s": ttft, "cached_tokens": cached}
 
 

@@ -31,11 +31,12 @@ from runtime.managers.trace import TraceOptions
 from runtime.mem.pools import MemoryPools
 from runtime.model_config import ModelConfig
 from runtime.model_executor.worker import Worker
+from runtime.token_roles import TokenPrompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-Prompt = str | list[int]  # a text or token ids
+Prompt = str | list[int] | TokenPrompt  # a text, token ids, or token ids with earlier answers marked
 Delivery = GenerateOutput | InvalidRequest  # what a request's queue carries to its caller
 
 
@@ -63,10 +64,8 @@ class RequestRoom:
     def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False)
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))  # with the model's BOS, as HF/vLLM/SGLang do
-        return list(prompt)
+    def _tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt))  # with the model's BOS, as HF/vLLM/SGLang do
 
     def _limits(self) -> RequestLimits:
         s, config = self.settings, self.model_config
@@ -83,12 +82,12 @@ class RequestRoom:
         caller = asyncio.get_running_loop()
         engine_loop = self._ensure_started()
         if isinstance(prompt, str):
-            ids = await caller.run_in_executor(self._tokenize_pool, self._tokenize, prompt)
+            prompt = TokenPrompt(await caller.run_in_executor(self._tokenize_pool, self._tokenize, prompt))
         elif isinstance(prompt, list):
-            ids = list(prompt)
-        else:
+            prompt = TokenPrompt(list(prompt))
+        elif not isinstance(prompt, TokenPrompt):
             raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
-        req = make_req(ids, params, rid or uuid.uuid4().hex, logprobs, self._limits(), bootstrap, priority)
+        req = make_req(prompt, params, rid or uuid.uuid4().hex, logprobs, self._limits(), bootstrap, priority)
         req.trace.received(arrival, trace)
         queue: asyncio.Queue[Delivery] = asyncio.Queue()
         deliver: Callable[[Delivery], None]
@@ -175,7 +174,7 @@ class RequestRoom:
 
     def generate(
         self,
-        prompt: Prompt | list[str] | list[list[int]],
+        prompt: Prompt | list[str] | list[list[int]] | list[TokenPrompt],
         sampling_params: SamplingInput | list[SamplingInput] = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,

@@ -71,7 +71,7 @@ def _pools(settings: EngineSettings, config: ModelConfig) -> MemoryPools:
         settings.max_total_tokens,
         settings.page_size,
         settings.disable_radix_cache,
-        prompt_only=settings.enable_deterministic_inference,
+        by_role=settings.enable_deterministic_inference,
     )
 
 

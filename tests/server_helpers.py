@@ -33,6 +33,7 @@ from runtime.errors import InvalidRequest
 from runtime.managers.io_struct import BootstrapInfo, GenerateOutput, MetaInfo
 from runtime.managers.trace import TraceOptions
 from runtime.sampling_params import SamplingParams
+from runtime.token_roles import TokenPrompt
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
@@ -317,7 +318,7 @@ class FakeEngine:
     def self_check_bootstrap(self) -> BootstrapInfo | None:
         return None
 
-    def async_generate_stream(self, prompt: list[int], params: SamplingParams, rid: str = "",
+    def async_generate_stream(self, prompt: TokenPrompt, params: SamplingParams, rid: str = "",
                               return_logprob: bool = False, top_logprobs_num: int = 0,
                               bootstrap: BootstrapInfo | None = None,
                               trace: TraceOptions | None = None, logprob_start_len: int = -1,
@@ -326,7 +327,7 @@ class FakeEngine:
         self.rids.append(rid)
         self.logprob_starts.append(logprob_start_len)
         self.priorities.append(priority)
-        return self._stream(prompt, params, rid, return_logprob, top_logprobs_num, logprob_start_len)
+        return self._stream(prompt.input_ids, params, rid, return_logprob, top_logprobs_num, logprob_start_len)
 
     async def _stream(self, prompt: list[int], params: SamplingParams, rid: str, return_logprob: bool,
                       top_logprobs_num: int, logprob_start_len: int = -1) -> AsyncGenerator[GenerateOutput, None]:

@@ -1,6 +1,6 @@
 """The import graph runs one way: app -> runtime engine -> managers -> model_executor
 -> models -> layers -> kernels, with mem beside the executor and a few leaf modules
-(config, runtime's errors/sampling_params/model_config) that import nothing above them.
+(config, runtime's errors/sampling_params/model_config/token_roles) that import nothing above them.
 
 Imports under TYPE_CHECKING count too: a type-only arrow pointing up is the first
 step of a real import circle.
@@ -32,6 +32,7 @@ RANKS: dict[str, float] = {
     "runtime.errors": 0,
     "runtime.sampling_params": 0,
     "runtime.model_config": 0,
+    "runtime.token_roles": 0,
     "config": 0,
 }
 

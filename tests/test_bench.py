@@ -178,16 +178,19 @@ def test_decode_step_times_a_batch_whose_prompts_exceed_one_prefill_chunk(tiny_m
     assert record["batch_size"] == 8 and record["eager_median_ms"] > 0 and record["fused_median_ms"] > 0
 
 
-def test_multi_turn_shows_deterministic_inference_sharing_prompts_only(tiny_model: Path) -> None:
+@pytest.mark.parametrize("unmarked", [False, True], ids=["marked", "unmarked"])
+def test_multi_turn_shows_what_deterministic_inference_shares(tiny_model: Path, unmarked: bool) -> None:
     """A next turn's cache hit is the earlier prompt and its answer (less the answer's last
-    token, which has no KV yet); under deterministic inference the earlier prompt only."""
+    token, which has no KV yet); under deterministic inference too when the turn marks its
+    earlier answers, else the earlier prompt only."""
     from bench import multi_turn
 
     ns = parse("multi-turn", "--model-path", str(tiny_model), *ENGINE_FLAGS, "--conversations", "1", "--turns", "3",
-               "--first-len", "20", "--user-len", "4", "--answer-len", "6", "--ab", "enable_deterministic_inference=true")  # fmt: skip
+               "--first-len", "20", "--user-len", "4", "--answer-len", "6", "--ab", "enable_deterministic_inference=true",
+               *(["--unmarked-answers"] if unmarked else []))  # fmt: skip
     base, det = multi_turn.run(ns)
     assert base["cached_tokens"] == {"0": [0], "1": [20 + 6 - 1], "2": [30 + 6 - 1]}
-    assert det["cached_tokens"] == {"0": [0], "1": [20], "2": [30]}
+    assert det["cached_tokens"] == ({"0": [0], "1": [20], "2": [30]} if unmarked else base["cached_tokens"])
     assert all(len(v) == 1 and v[0] > 0 for r in (base, det) for v in r["ttft_s"].values())
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from bench.deterministic import beside_fillers
+from runtime.token_roles import TokenPrompt
 from tests.conftest import LONG_TEXT, assert_all_memory_free
 
 MAX_NEW = 16
@@ -101,11 +102,13 @@ def test_deterministic_inference_is_refused_where_it_is_not_implemented(make_eng
 
 
 def test_recomputed_and_reused_outputs_change_no_bit(make_engine: Any, targets_and_fillers: tuple[list[Tokens], list[Tokens]]) -> None:
-    """The two ways a generated token's KV is met again: a retracted request re-prefills
-    its outputs (an extend, yet on the generated tokens' kernel: PromptRows), and a next
-    turn's prompt repeats an earlier prompt and its output (the tree shares prompts only,
-    so those tokens are prefilled as prompt tokens, as they are on an empty cache). Each
-    gives the tokens and the logprob bits the request gets alone on an empty cache."""
+    """The ways a generated token's KV is met again: a retracted request re-prefills its
+    outputs (an extend, yet on the answers' kernel: PromptRows), and a next turn's prompt
+    repeats an earlier prompt and its output - as given text (the tree keys tokens by role,
+    so those tokens are prefilled as given text, as on an empty cache) or marked as an
+    earlier answer (TokenPrompt.answer_spans: the answer's KV comes from the cache, and on
+    an empty cache it is prefilled on the answers' kernel). Each gives the tokens and the
+    logprob bits the request gets alone on an empty cache."""
     targets, _ = targets_and_fillers
     max_new = 32
     pool = max(len(t) for t in targets) + max_new + 64  # room for one, far from all at once
@@ -114,14 +117,16 @@ def test_recomputed_and_reused_outputs_change_no_bit(make_engine: Any, targets_a
         max_total_tokens=pool,
         chunked_prefill_size=64,
         schedule_conservativeness=0.3,
-        **MODES["default"],  # where prompt and generated tokens take different kernels
+        **MODES["default"],  # where given and generated tokens take different kernels
     )
+    cached: list[int] = []
 
-    def run(prompts: list[Tokens]) -> list[tuple[Tokens, list[float]]]:
+    def run(prompts: list[Any]) -> list[tuple[Tokens, list[float]]]:
         outs = engine.generate(prompts, greedy(max_new), return_logprob=True)
+        cached.extend(o["meta_info"]["cached_tokens"] for o in outs)
         return [(o["output_ids"], [lp for lp, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
 
-    def each_alone(prompts: list[Tokens]) -> list[tuple[Tokens, list[float]]]:
+    def each_alone(prompts: list[Any]) -> list[tuple[Tokens, list[float]]]:
         results = []
         for p in prompts:
             empty_cache(engine)
@@ -133,12 +138,18 @@ def test_recomputed_and_reused_outputs_change_no_bit(make_engine: Any, targets_a
     assert run(targets) == alone
     assert engine.get_server_info()["num_retracted_reqs_total"] > 0
 
-    next_turns = [t + out + t[:3] for t, (out, _) in zip(targets, alone)]
-    fresh = each_alone(next_turns)
-    after = []
-    for t, turn in zip(targets, next_turns):
-        empty_cache(engine)
-        run([t])  # the first turn, then the next with it cached
-        after += run([turn])
-    assert after == fresh
+    given = [t + out + t[:3] for t, (out, _) in zip(targets, alone)]
+    marked = [TokenPrompt(turn, ((len(t), len(t) + len(out)),)) for t, turn, (out, _) in zip(targets, given, alone)]
+    for next_turns, reused in ((given, [len(t) for t in targets]), (marked, [len(t) + max_new - 1 for t in targets])):
+        fresh = each_alone(next_turns)
+        after = []
+        cached.clear()
+        for t, turn in zip(targets, next_turns):
+            empty_cache(engine)
+            run([t])  # the first turn, then the next with it cached
+            after += run([turn])
+        assert after == fresh
+        assert cached[1::2] == reused  # the first turn's prompt; and its answer's KV when marked
+    # Marking the answer changes its tokens' kernel, so (on these weights) the bits too.
+    assert each_alone(marked) != each_alone(given)
     assert_all_memory_free(engine)

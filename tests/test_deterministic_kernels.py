@@ -258,28 +258,38 @@ def test_store_kv_writes_what_the_pools_index_put_writes(cpu_ops: CpuOps, kv_dty
     assert round_src == (not torch.equal(qkv, before)) or kv_dtype == torch.float32
 
 
-def test_prompt_rows_mark_prompt_tokens_and_reach_every_rank() -> None:
-    """Under deterministic inference a row's linear kernel follows its token's role: the
-    rows below their request's prompt length are prompt tokens (PromptRows), and every
-    tensor-parallel rank gets the prompt lengths to split its shard's rows the same way."""
+def test_prompt_rows_follow_token_roles_and_reach_every_rank() -> None:
+    """Under deterministic inference a row's linear kernel follows its token's role: given
+    text takes the tiles (PromptRows.dense), answers the Q4 blocks - the generated tokens
+    past the prompt and an earlier answer inside it (runtime/token_roles.py) - and every
+    tensor-parallel rank gets the roles to split its shard's rows the same way."""
     from runtime.layers.batch_invariant import PromptRows
     from runtime.model_executor import tp_channel
     from runtime.model_executor.forward_batch import ForwardMode
     from runtime.model_executor.worker import ForwardInputs
+    from runtime.token_roles import role_switches
 
-    # A whole prompt and a chunk after a cached prefix: every row a prompt token.
-    assert PromptRows.of([0, 16], [5, 4], [5, 30]) == PromptRows(None, None)
+    # A whole prompt and a chunk after a cached prefix: every row given text.
+    assert PromptRows.of([0, 16], [5, 4], [(5,), (30,)]) == PromptRows(None, None)
     # Decodes and a retracted request's recomputed outputs only: none.
-    assert PromptRows.of([7, 9], [1, 6], [7, 9]) is None
+    assert PromptRows.of([7, 9], [1, 6], [(7,), (9,)]) is None
     # A prompt's last 2 tokens and its 3 outputs, then a decode, then a prompt chunk.
-    rows = PromptRows.of([3, 12, 0], [5, 1, 2], [5, 8, 4])
+    rows = PromptRows.of([3, 12, 0], [5, 1, 2], [(5,), (8,), (4,)])
     assert rows is not None and rows.dense is not None and rows.rest is not None
     assert rows.dense.tolist() == [0, 1, 6, 7] and rows.rest.tolist() == [2, 3, 4, 5]
+    # A chat prompt of 12 whose tokens 2-4 and 7-8 are earlier answers, from position 1,
+    # then its first output; and a span ending where the prompt does.
+    chat = role_switches(12, [(2, 5), (7, 9)])
+    assert chat == (2, 5, 7, 9, 12)
+    rows = PromptRows.of([1, 0], [12, 4], [chat, role_switches(3, [(1, 3)])])
+    assert rows is not None and rows.dense is not None and rows.rest is not None
+    assert rows.dense.tolist() == [0, 4, 5, 8, 9, 10, 12] and rows.rest.tolist() == [1, 2, 3, 6, 7, 11, 13, 14, 15]
 
     inputs = ForwardInputs(
         forward_mode=ForwardMode.MIXED, input_ids=torch.arange(8), out_cache_loc=torch.arange(1, 9),
         req_pool_indices=[0, 1, 2], seq_lens=[8, 13, 2], extend_prefix_lens=[3, 12, 0], extend_seq_lens=[5, 1, 2],
         prefix_slots=[torch.tensor([4, 5, 6]), None, torch.empty(0, dtype=torch.int64)], row_syncs=[],
-        prompt_lens=[5, 8, 4],
+        role_switches=[(5,), chat, (1, 3, 4)], prompt_logprob_rows=[2, 6],
     )  # fmt: skip
-    assert tp_channel.decode(*tp_channel.encode(inputs, inputs.input_ids)).prompt_lens == [5, 8, 4]
+    got = tp_channel.decode(*tp_channel.encode(inputs, inputs.input_ids))
+    assert got.role_switches == [(5,), chat, (1, 3, 4)] and got.prompt_logprob_rows == [2, 6]

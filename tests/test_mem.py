@@ -139,12 +139,13 @@ def test_cache_finished_req_donates_kv_and_frees_duplicates_and_row() -> None:
     assert cache.allocator.available_size() == 256
 
 
-def test_a_prompt_only_tree_never_shares_generated_tokens_kv() -> None:
-    """Deterministic inference computes prompt and generated tokens on different kernels,
-    so its tree (`prompt_only`) takes a request's prompt only and matches a request's
-    prompt only; generated tokens' KV, a retracted request's recomputed too, stays the
-    request's own and goes back to the allocator when it ends."""
-    cache = RadixCache(ReqToTokenPool(8, 128), TokenToKVPoolAllocator(256, 1), 1, prompt_only=True)
+def test_a_role_keyed_tree_shares_kv_only_between_tokens_of_one_role() -> None:
+    """Deterministic inference computes given text and the model's answers on different
+    kernels, so its tree (`by_role`) keys each token with its role: a generated token's KV
+    serves a later prompt only where that prompt marks the token as an earlier answer
+    (a chat's next turn), never as given text; and a retracted request's recomputed
+    outputs are answers too."""
+    cache = RadixCache(ReqToTokenPool(8, 128), TokenToKVPoolAllocator(256, 1), 1, by_role=True)
     pool, allocator = cache.req_to_token_pool, cache.allocator
 
     def start(req: Req) -> torch.Tensor:  # admit: borrow the match, allocate the rest of fill_ids
@@ -163,18 +164,28 @@ def test_a_prompt_only_tree_never_shares_generated_tokens_kv() -> None:
     assert extra is not None and a.req_pool_idx is not None
     pool.write(a.req_pool_idx, 4, extra)
     cache.cache_finished_req(a, kv_len=5)
-    assert cache.total_size() == 4  # the prompt; output 5's slot went back
-    assert allocator.available_size() == 256 - 4
+    assert cache.total_size() == 5 and allocator.available_size() == 256 - 5
 
-    # A retracted request whose prompt + outputs the tree could match further (another
-    # request's prompt 1..7) borrows its own prompt's part only and recomputes 4, 5, 6.
+    # The next turn sends a's answer back: as given text it matches the prompt only; with
+    # the answer marked, the answer's KV too.
+    plain = Req("plain", [1, 2, 3, 4, 5, 7], SamplingParams(max_new_tokens=2))
+    plain.init_next_round_input(cache)
+    assert len(plain.prefix_indices) == 4
+    chat = Req("chat", [1, 2, 3, 4, 5, 7], SamplingParams(max_new_tokens=2), answer_spans=[(4, 5)])
+    chat.init_next_round_input(cache)
+    assert len(chat.prefix_indices) == 5
+
+    # A retracted request whose tokens another request's prompt (1..7, given text) holds
+    # borrows its prompt's part only and recomputes its outputs 4, 5, 6, which enter the
+    # tree beside that prompt, as answers.
     _insert(cache, [1, 2, 3, 4, 5, 6, 7])
     c = Req("c", [1, 2, 3], SamplingParams(max_new_tokens=8))
     c.output_ids = [4, 5, 6, 9]
     own = start(c)
     assert len(c.prefix_indices) == 3 and own.numel() == 4
-    assert cache.cache_unfinished_req(c) is False  # nothing past the prompt enters the tree
-    assert cache.total_size() == 7 and len(c.prefix_indices) == 7
+    assert cache.cache_unfinished_req(c) is False
+    assert cache.total_size() == 5 + 3 + 4 and len(c.prefix_indices) == 7
+    assert cache.key(c, 7) == [1, 2, 3, ~4, ~5, ~6, ~9]
     cache.cache_finished_req(c, kv_len=7)
     assert pool.available_size() == pool.size and cache.protected_size() == 0
     cache.evict(cache.total_size())

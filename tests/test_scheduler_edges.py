@@ -10,6 +10,7 @@ import pytest
 
 from runtime.engine import Engine
 from runtime.errors import InvalidRequest
+from runtime.token_roles import Span, TokenPrompt
 from runtime.model_executor.stub_worker import next_token
 from tests.stub_engine import (
     CONFIGS,
@@ -35,6 +36,18 @@ def test_a_negative_max_new_tokens_is_rejected_before_queueing(make_stub: Callab
     with pytest.raises(InvalidRequest):
         generate_one(engine, prompt, greedy(-1))
     assert engine.num_waiting_reqs == 0 and engine.get_server_info()["num_requests_total"] == 0
+
+
+@pytest.mark.parametrize("spans", [((3, 3),), ((4, 6), (5, 7)), ((0, 8),), ((2, 1),), ((1, 2, 3),)])
+def test_bad_answer_spans_are_rejected_before_queueing(make_stub: Callable[..., Engine], spans: tuple[Span, ...]) -> None:
+    """Empty, overlapping, past the prompt, reversed, or not pairs: InvalidRequest (a 400)."""
+    engine = make_stub()
+    (prompt,) = make_prompts([7])
+    with pytest.raises(InvalidRequest) as err:
+        engine.generate(TokenPrompt(prompt, spans), greedy(2))
+    assert err.value.param == "answer_spans"
+    assert engine.num_waiting_reqs == 0 and engine.get_server_info()["num_requests_total"] == 0
+    assert len(engine.generate(TokenPrompt(prompt, ((1, 3), (3, 7))), greedy(2))["output_ids"]) == 2  # spans may touch
 
 
 @pytest.mark.parametrize("overlap", OVERLAP.values(), ids=OVERLAP.keys())

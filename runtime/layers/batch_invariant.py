@@ -18,10 +18,11 @@ and skip the blocking.
 
 A GGUF's Q4 layers have two per-row kernels: the exact Q4 blocks (fast at a few rows)
 and a bfloat16 copy on the kernels' tiles (fast for a prefill). Outside this mode the
-row count picks one. In it, a row's role does: `PromptRows` marks a forward's prompt
-tokens, which take the tiles, and every generated token (a decode, or a retracted
-request's recomputed output) takes the Q4 blocks. A token's kernel is then fixed by
-its request, so prefills run as fast as by default and decodes as well.
+row count picks one. In it, a row's role does (runtime/token_roles.py): `PromptRows` marks a
+forward's given tokens, which take the tiles, and every answer token (a decode, a
+retracted request's recomputed output, an earlier answer a chat sends back) takes the
+Q4 blocks. A token's kernel is then fixed by its request, so prefills run as fast as by
+default and decodes as well.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from runtime.token_roles import segments
 
 BLOCK_ROWS = 16
 
@@ -55,29 +58,28 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 @dataclass(frozen=True, slots=True)
 class PromptRows:
-    """The rows of one forward's packed tokens that are prompt tokens (deterministic
-    inference: they take a layer's bfloat16 tiles; the rest take its Q4 blocks).
-    `dense is None`: every row is a prompt token."""
+    """The rows of one forward's packed tokens that are given text, not answers
+    (deterministic inference: they take a layer's bfloat16 tiles; the rest take its Q4
+    blocks). `dense is None`: every row is given text."""
 
     dense: torch.Tensor | None  # [D] int64 row indices
     rest: torch.Tensor | None  # [T - D] int64 row indices; None with dense
 
     @staticmethod
-    def of(prefix_lens: Sequence[int], extend_lens: Sequence[int], prompt_lens: Sequence[int]) -> PromptRows | None:
-        """Request i extends positions [prefix, prefix + extend); those below its prompt
-        length are prompt tokens (a prefix of its rows). None: no row is."""
-        counts = [max(0, min(n, prompt - p)) for p, n, prompt in zip(prefix_lens, extend_lens, prompt_lens)]
-        if not any(counts):
-            return None
-        if counts == list(extend_lens):
-            return PromptRows(None, None)
+    def of(prefix_lens: Sequence[int], extend_lens: Sequence[int], switches: Sequence[Sequence[int]]) -> PromptRows | None:
+        """Request i extends positions [prefix, prefix + extend), whose roles its
+        `switches` give (runtime/token_roles.py). None: no row is given text."""
         dense: list[int] = []
         rest: list[int] = []
         start = 0
-        for n, d in zip(extend_lens, counts):
-            dense += range(start, start + d)
-            rest += range(start + d, start + n)
+        for p, n, cuts in zip(prefix_lens, extend_lens, switches):
+            for lo, hi, answer in segments(cuts, p, p + n):
+                (rest if answer else dense).extend(range(start + lo - p, start + hi - p))
             start += n
+        if not dense:
+            return None
+        if not rest:
+            return PromptRows(None, None)
         return PromptRows(torch.tensor(dense), torch.tensor(rest))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,7 @@ from runtime.managers.prompt_logprobs import PromptLogprobs
 from runtime.managers.trace import RequestTrace
 from runtime.model_executor.worker import BatchResult
 from runtime.sampling_params import SamplingParams
+from runtime.token_roles import Span, role_switches
 
 if TYPE_CHECKING:
     from runtime.constrained import Grammar
@@ -60,10 +62,13 @@ class Req:
         priority: int = 0,
         bootstrap: BootstrapInfo | None = None,
         logprob_start_len: int = -1,
+        answer_spans: Sequence[Span] = (),
     ) -> None:
         self.rid = rid
         self.origin_input_ids = input_ids
         self.output_ids: list[int] = []
+        # Where its tokens' role flips between given text and answers (runtime/token_roles.py).
+        self.role_switches = role_switches(len(input_ids), answer_spans)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.stop_token_ids = set(sampling_params.stop_token_ids)
@@ -135,9 +140,7 @@ class Req:
             limit = len(self.fill_ids) - 1
             if self.prompt_logprobs is not None and (scored := self.prompt_logprobs.prefix_limit()) is not None:
                 limit = min(limit, scored)
-            if tree_cache.prompt_only:  # a generated token's KV is always its own
-                limit = min(limit, len(self.origin_input_ids))
-            self.prefix_indices, self.last_node = tree_cache.match_prefix(self.fill_ids[:limit])
+            self.prefix_indices, self.last_node = tree_cache.match_prefix(tree_cache.key(self, limit))
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
     # ---- stop conditions ---------------------------------------------------------

@@ -242,7 +242,7 @@ class ScheduleBatch:
             top_logprobs_nums=tops,
             return_logprob=any(t >= 0 for t in tops),
             prompt_logprob_rows=lp.rows if (lp := self.prompt_lp) is not None else [],
-            prompt_lens=[len(r.origin_input_ids) for r in self.reqs],
+            role_switches=[r.role_switches for r in self.reqs],
             prompt_logprob_targets=lp.targets if lp is not None else [],
             prompt_top_k=lp.top_k if lp is not None else 0,
         )

@@ -14,6 +14,7 @@ from runtime.managers.embedding_manager import EMBEDDING, EmbeddingParams, Embed
 from runtime.managers.io_struct import BootstrapInfo
 from runtime.managers.req import Req
 from runtime.sampling_params import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRIORITY, MAX_TOP_LOGPROBS, SamplingParams, check_priority
+from runtime.token_roles import TokenPrompt
 
 SamplingInput = SamplingParams | dict[str, Any] | None  # a dict uses SamplingParams' field names
 
@@ -85,13 +86,14 @@ def make_embedding_req(ids: list[int], params: SamplingInput, rid: str, limits: 
 
 
 def make_req(
-    ids: list[int], params: SamplingInput, rid: str, logprobs: LogprobOptions, limits: RequestLimits,
+    prompt: TokenPrompt, params: SamplingInput, rid: str, logprobs: LogprobOptions, limits: RequestLimits,
     bootstrap: BootstrapInfo | None = None, priority: int | None = None,
 ) -> Req:
     if bootstrap is None and limits.needs_bootstrap:
         raise InvalidRequest(
             f"this is a {limits.disaggregation_mode} server: requests need bootstrap_host, bootstrap_port "
             "and bootstrap_room (send them through sglang-router --pd-disaggregation)", param="bootstrap_room")
+    ids = prompt.input_ids
     if limits.is_embedding or isinstance(params, EmbeddingParams):
         embedding = make_embedding_req(ids, params, rid, limits)
         embedding.bootstrap = bootstrap
@@ -123,7 +125,9 @@ def make_req(
     prio = DEFAULT_PRIORITY if priority is None else check_priority(priority)
     want = logprobs.return_logprob or top > 0
     start = logprob_start_len(logprobs.logprob_start_len if want else -1, n, sp.max_new_tokens, limits)
-    req = Req(rid, ids, sp, limits.eos_token_ids, want, top, prio, logprob_start_len=start)
+    if (why := prompt.check()) is not None:
+        raise InvalidRequest(why, param="answer_spans")
+    req = Req(rid, ids, sp, limits.eos_token_ids, want, top, prio, logprob_start_len=start, answer_spans=prompt.answer_spans)
     req.bootstrap = bootstrap
     if sp.seed is not None and not sp.is_greedy:
         req.generator = torch.Generator(device=limits.device).manual_seed(sp.seed)

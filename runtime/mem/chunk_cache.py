@@ -20,8 +20,6 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class ChunkCache:
-    prompt_only = False  # shares nothing anyway
-
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, page_size: int) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
@@ -29,6 +27,9 @@ class ChunkCache:
 
     def reset(self) -> None:
         pass
+
+    def key(self, req: CacheableReq, n: int) -> list[int]:
+        return []  # nothing to match
 
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode | None]:
         return _EMPTY, None

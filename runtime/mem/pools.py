@@ -39,10 +39,10 @@ class MemoryPools:
         max_total_tokens: int,
         page_size: int,
         disable_radix_cache: bool,
-        prompt_only: bool = False,
+        by_role: bool = False,
     ) -> MemoryPools:
-        """`prompt_only`: the radix cache shares prompt tokens' KV only (PrefixCache.prompt_only)."""
+        """`by_role`: the radix cache keys tokens with their roles (runtime/token_roles.py)."""
         req_pool = ReqToTokenPool(cls.rows_for(max_running_requests), context_len)
         allocator = TokenToKVPoolAllocator(max_total_tokens, page_size)
-        cache = ChunkCache(req_pool, allocator, page_size) if disable_radix_cache else RadixCache(req_pool, allocator, page_size, prompt_only)
+        cache = ChunkCache(req_pool, allocator, page_size) if disable_radix_cache else RadixCache(req_pool, allocator, page_size, by_role)
         return cls(req_pool, allocator, cache, max_total_tokens)

@@ -46,6 +46,7 @@ class CacheableReq(Protocol):
     origin_input_ids: list[int]
     output_ids: list[int]
     fill_ids: list[int]
+    role_switches: tuple[int, ...]  # (runtime/token_roles.py)
     req_pool_idx: int | None
     prefix_indices: torch.Tensor
     last_node: TreeNode | None
@@ -53,12 +54,13 @@ class CacheableReq(Protocol):
 
 class PrefixCache(Protocol):
     page_size: int
-    # Share prompt tokens' KV only, never generated tokens' (deterministic inference
-    # computes the two on different kernels: runtime/layers/batch_invariant.py PromptRows,
-    # so a prompt reusing another request's output KV would differ from its own prefill).
-    prompt_only: bool
 
     def reset(self) -> None: ...
+
+    def key(self, req: CacheableReq, n: int) -> list[int]:
+        """What `match_prefix` takes for the request's first n tokens (prompt + output):
+        the tokens, or under deterministic inference, the tokens with their roles."""
+        ...
 
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode | None]:
         """Longest cached page-aligned prefix of `key`: (its KV slots, its last node)."""

@@ -9,9 +9,9 @@ Invariants:
 - A request borrows the page-aligned head of its `prefix_indices` from the tree
   (locked via `last_node`); what follows it (an unaligned tail shorter than a
   page, then everything computed since) is the request's own.
-- With `prompt_only` (deterministic inference) the tree takes prompt tokens only:
-  a request's borrowed head ends within its prompt, and its generated tokens' KV
-  (also a retracted request's recomputed ones) stays its own until it ends.
+- With `by_role` (deterministic inference, where a token's KV depends on its role:
+  runtime/token_roles.py) a key holds each answer token as `~token`, so a given token
+  and the same token written by the model never share a node.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from runtime.mem.prefix_cache import TreeNode
+from runtime.token_roles import role_keyed
 
 if TYPE_CHECKING:
     from runtime.mem.allocator import TokenToKVPoolAllocator
@@ -34,12 +35,12 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 class RadixCache:
     def __init__(
-        self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, page_size: int, prompt_only: bool = False
+        self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, page_size: int, by_role: bool = False
     ) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.page_size = page_size
-        self.prompt_only = prompt_only  # (PrefixCache.prompt_only)
+        self.by_role = by_role
         self.reset()
 
     # ---- tree primitives -------------------------------------------------
@@ -160,12 +161,12 @@ class RadixCache:
         return out
 
     # ---- request-level operations -----------------------------------------
-    def _shareable_len(self, req: CacheableReq, kv_len: int) -> int:
-        """How many of the request's first `kv_len` tokens the tree may take."""
-        return min(kv_len, len(req.origin_input_ids)) if self.prompt_only else kv_len
+    def key(self, req: CacheableReq, n: int) -> list[int]:
+        tokens = (req.origin_input_ids + req.output_ids)[:n]
+        return role_keyed(tokens, req.role_switches) if self.by_role else tokens
 
     def _borrowed_len(self, req: CacheableReq) -> int:
-        n = self._shareable_len(req, len(req.prefix_indices))
+        n = len(req.prefix_indices)
         return n - n % self.page_size
 
     def cache_finished_req(self, req: CacheableReq, kv_len: int) -> None:
@@ -173,14 +174,12 @@ class RadixCache:
 
         The first `kv_len` tokens of prompt + output have KV in the request's row.
         """
-        tokens = req.origin_input_ids + req.output_ids
         row = req.req_pool_idx
         assert row is not None
         kv = self.req_to_token_pool.req_to_token[row, :kv_len].to(torch.int64)
-        shared = self._shareable_len(req, kv_len)
-        aligned = shared - shared % self.page_size
+        aligned = kv_len - kv_len % self.page_size
         self.allocator.free(kv[aligned:])
-        new_prefix = self.insert(tokens[:aligned], kv[:aligned])
+        new_prefix = self.insert(self.key(req, aligned), kv[:aligned])
         # Slots between what the request borrowed and what the tree already had are
         # duplicates of tree-owned KV: the request's copies go back to the allocator.
         self.allocator.free(kv[self._borrowed_len(req) : new_prefix])
@@ -196,16 +195,16 @@ class RadixCache:
 
         Safe while the forward that computes this KV is still in flight: any later
         forward that reads these slots runs after it on the worker."""
-        tokens = req.fill_ids
+        n = len(req.fill_ids)
         row = req.req_pool_idx
         assert row is not None
-        kv = self.req_to_token_pool.req_to_token[row, : len(tokens)].to(torch.int64)
-        shared = self._shareable_len(req, len(tokens))
-        aligned = shared - shared % self.page_size
+        kv = self.req_to_token_pool.req_to_token[row, :n].to(torch.int64)
+        aligned = n - n % self.page_size
         borrowed = self._borrowed_len(req)
-        new_prefix = self.insert(tokens[:aligned], kv[:aligned])
+        key = self.key(req, aligned)
+        new_prefix = self.insert(key, kv[:aligned])
         self.allocator.free(kv[borrowed:new_prefix])
-        new_indices, new_node = self.match_prefix(tokens[:aligned])
+        new_indices, new_node = self.match_prefix(key)
         assert len(new_indices) == aligned
         if new_prefix > borrowed:
             self.req_to_token_pool.write(row, borrowed, new_indices[borrowed:new_prefix])

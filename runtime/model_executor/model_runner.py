@@ -147,8 +147,8 @@ class ModelRunner:
             attn_backend=self.attn_backend,
             prompt_logprob_rows=self._upload(mwb.prompt_logprob_rows) if mwb.prompt_logprob_rows else None,
         )
-        if self.deterministic and mwb.prompt_lens and not mwb.forward_mode.is_decode():
-            fb.prompt_rows = PromptRows.of(mwb.extend_prefix_lens, mwb.extend_seq_lens, mwb.prompt_lens)
+        if self.deterministic and mwb.role_switches and not mwb.forward_mode.is_decode():
+            fb.prompt_rows = PromptRows.of(mwb.extend_prefix_lens, mwb.extend_seq_lens, mwb.role_switches)
         if not self._uses_graph(fb):  # a graph replay plans its own bucket
             self.attn_backend.init_forward_metadata(fb)
         return fb

@@ -72,6 +72,7 @@ def decode_side(header: torch.Tensor, payload: torch.Tensor) -> SideMessage:
 def encode(inputs: ForwardInputs, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bs, syncs = len(inputs.req_pool_indices), inputs.row_syncs
     has_prefix = [0 if s is None else 1 for s in inputs.prefix_slots]
+    switches = inputs.role_switches or [()] * bs
     i64 = torch.int64
     parts = [
         input_ids.to("cpu", i64),
@@ -85,7 +86,8 @@ def encode(inputs: ForwardInputs, input_ids: torch.Tensor) -> tuple[torch.Tensor
         torch.tensor([row for row, _ in syncs], dtype=i64),
         torch.tensor([slots.numel() for _, slots in syncs], dtype=i64),
         *(slots.to(i64) for _, slots in syncs),
-        torch.tensor(inputs.prompt_lens or [0] * bs, dtype=i64),
+        torch.tensor([len(s) for s in switches], dtype=i64),
+        torch.tensor([x for s in switches for x in s], dtype=i64),
         torch.tensor(inputs.prompt_logprob_rows, dtype=i64),
     ]
     payload = torch.cat(parts)
@@ -108,7 +110,7 @@ def decode(header: torch.Tensor, payload: torch.Tensor) -> ForwardInputs:
     prefix_slots = [take(p) if h else None for p, h in zip(prefix_lens, has_prefix)]
     sync_rows, sync_lens = take(s).tolist(), take(s).tolist()
     row_syncs = [(row, take(n)) for row, n in zip(sync_rows, sync_lens)]
-    prompt_lens = take(bs).tolist()
+    role_switches = [tuple(take(n).tolist()) for n in take(bs).tolist()]
     return ForwardInputs(
         forward_mode=ForwardMode(mode),
         input_ids=input_ids,
@@ -120,7 +122,7 @@ def decode(header: torch.Tensor, payload: torch.Tensor) -> ForwardInputs:
         prefix_slots=prefix_slots,
         row_syncs=row_syncs,
         prompt_logprob_rows=payload[pos:].tolist(),
-        prompt_lens=prompt_lens,
+        role_switches=role_switches,
     )
 
 

@@ -39,9 +39,9 @@ class ForwardInputs:
     # Prompt logprobs: the packed token indices whose logits are projected for them
     # (every rank joins those all-gathers; runtime/managers/prompt_logprobs.py).
     prompt_logprob_rows: list[int] = field(default_factory=list, kw_only=True)
-    # Each request's prompt length: deterministic inference runs prompt tokens and
-    # generated ones on different kernels (runtime/layers/batch_invariant.py PromptRows).
-    prompt_lens: list[int] = field(default_factory=list, kw_only=True)
+    # Each request's role_switches: deterministic inference runs given tokens and answers
+    # on different kernels (runtime/token_roles.py; batch_invariant.py PromptRows).
+    role_switches: list[tuple[int, ...]] = field(default_factory=list, kw_only=True)
 
 
 @dataclass(slots=True)
