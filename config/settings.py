@@ -102,12 +102,14 @@ class EngineSettings:
     )
     enable_mixed_chunk: bool = knob(False, "Let running decodes ride in prefill batches (ForwardMode.MIXED).")
     disable_overlap_schedule: bool = knob(False, "Run each forward inline instead of overlapping with scheduling.")
-    enable_deterministic_inference: bool = knob(
-        False, "Temperature-0 output (and seeded sampling) independent of batch composition: batch-invariant "
+    enable_deterministic_inference: bool | None = knob(
+        None, "Temperature-0 output (and seeded sampling) independent of batch composition: batch-invariant "
         "linear and attention (same reduction order for a row whatever the batch); sampling is per row. CPU "
-        "with the compiled kernels only. The default CPU mode (GGUF Q4 on VNNI) runs as fast with it; float "
-        "modes' matmuls run in 16-row blocks; the radix cache shares prompt tokens only (a chat's next turn "
-        "re-prefills the previous answer). Unseeded temperature > 0 stays batch-dependent."
+        "with the compiled kernels only. Unset: on where it costs nothing measurable (quantization gguf on a "
+        "CPU with AVX512-BF16 and no AMX), else off; the startup log says which. Float modes' matmuls run in "
+        "16-row blocks. A token's KV depends on whether the model wrote it, so the radix cache shares an "
+        "earlier answer only where the prompt marks it (the chat route marks assistant messages); on a cold "
+        "cache those tokens prefill on the decode kernel. Unseeded temperature > 0 stays batch-dependent."
     )
     # --- structured output ---
     grammar_backend: Literal["xgrammar", "none"] = knob(

@@ -24,6 +24,8 @@ from runtime.layers.linear import LinearBase
 from runtime.layers.quantization import linear_form
 from runtime.model_config import ModelConfig
 from runtime.model_executor.model_loader import load_model
+from runtime.layers.quantization import QuantizationName
+from runtime.model_executor import resolve
 from runtime.model_executor.resolve import resolve_cpu_threads, resolve_quantization_and_dtype
 from runtime.models.cpu_path import bind_cpu_ops
 from tests.conftest import assert_all_memory_free
@@ -57,6 +59,23 @@ def test_auto_leaves_other_models_and_setups_unquantized(model_dir: Path, tmp_pa
     assert resolved(model_dir, dtype="float32", tp_size=2) == ("none", torch.float32)
     settings, quant, _ = resolve_quantization_and_dtype(EngineSettings(), "cpu", model_dir)
     assert settings.quantization == quant == "gguf", "the resolved value is what server_info reports"
+
+
+@pytest.mark.parametrize("feature", ["avx512_bf16", "amx_bf16", None])
+def test_deterministic_inference_is_on_by_default_only_where_measured_free(monkeypatch: pytest.MonkeyPatch, feature: str | None) -> None:
+    """Unset, --enable-deterministic-inference resolves on for gguf on a CPU whose bf16
+    tiles are AVX512-BF16 without AMX (bench/RESULTS.md item 25), off elsewhere; a value
+    given stays."""
+    monkeypatch.setattr(resolve, "cpu_bf16_feature", lambda: feature)
+
+    def on(device: str = "cpu", quantization: QuantizationName = "gguf", **knobs: Any) -> bool | None:
+        return resolve.resolve_deterministic(EngineSettings(**knobs), device, quantization).enable_deterministic_inference
+
+    free = feature == "avx512_bf16"
+    assert on() is free
+    assert on(quantization="none") is on(quantization="int4") is on(tp_size=2) is on(disable_cpu_kernels=True) is False
+    assert on("cuda") is False
+    assert on(enable_deterministic_inference=True) is True and on(enable_deterministic_inference=False) is False
 
 
 def test_threads_default_to_the_cores_this_process_may_use() -> None:

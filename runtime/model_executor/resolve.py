@@ -99,6 +99,29 @@ def resolve_quantization_and_dtype(
     return settings, quant, dtype
 
 
+def resolve_deterministic(settings: EngineSettings, device: str, quantization: QuantizationName) -> EngineSettings:
+    """`enable_deterministic_inference` unset: on where its cost was measured to be none,
+    logged with why. That is the GGUF blocks on a CPU whose bfloat16 tiles are AVX512-BF16
+    (bench/RESULTS.md item 25: prefill, decode, serving and offline within noise or faster,
+    a chat's next turn as fast). Off on AMX CPUs (not measured since the mode's kernels
+    changed), without native bfloat16 (no tiles: every prompt would prefill on the Q4
+    blocks), in float modes (16-row blocks), across tensor-parallel ranks (not tested end to
+    end) and off CPU (the mode needs the CPU kernels)."""
+    if settings.enable_deterministic_inference is not None:
+        return settings
+    feature = cpu_bf16_feature() if device == "cpu" else None
+    if device != "cpu" or settings.disable_cpu_kernels:
+        on, reason = False, "needs the CPU kernels"
+    elif quantization != "gguf" or settings.tp_size > 1:
+        on, reason = False, f"quantization={quantization}, tp_size={settings.tp_size}: the cost is only measured free for gguf at tp_size 1"
+    elif feature != "avx512_bf16":
+        on, reason = False, f"{feature or 'no native bf16'}: its cost is only measured free with AVX512-BF16 tiles"
+    else:
+        on, reason = True, "gguf on AVX512-BF16 tiles: no measured cost (bench/RESULTS.md item 25)"
+    log.info("enable_deterministic_inference auto resolved", enabled=on, reason=reason)
+    return dataclasses.replace(settings, enable_deterministic_inference=on)
+
+
 def resolve_cpu_threads(setting: int | None, ranks_per_node: int) -> int:
     """torch intra-op threads: the setting, else the cores this process may run on (its
     affinity mask, which taskset, numactl or a container's cpuset narrow; os.cpu_count()

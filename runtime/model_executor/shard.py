@@ -27,7 +27,13 @@ from runtime.model_config import ModelConfig
 from runtime.model_executor.model_loader import load_model, prepare_model_dir
 from runtime.model_executor.model_runner import ModelRunner
 from runtime.model_executor.pooler import pooler_for, resolve_pooling
-from runtime.model_executor.resolve import resolve_cpu_threads, resolve_device, resolve_quantization_and_dtype, resolve_settings
+from runtime.model_executor.resolve import (
+    resolve_cpu_threads,
+    resolve_deterministic,
+    resolve_device,
+    resolve_quantization_and_dtype,
+    resolve_settings,
+)
 
 log = structlog.get_logger("sluice.engine")
 
@@ -73,11 +79,12 @@ def build_shard(settings: EngineSettings, rank: int, init_method: str | None) ->
         init_tensor_parallel(rank, tp, init_method, dev, settings.dist_timeout)
     if device == "cpu":
         torch.set_num_threads(resolve_cpu_threads(settings.num_threads, per_node))
-    deterministic = settings.enable_deterministic_inference
-    if deterministic and (device != "cpu" or settings.disable_cpu_kernels):
+    if settings.enable_deterministic_inference and (device != "cpu" or settings.disable_cpu_kernels):
         raise SettingsError("enable_deterministic_inference runs on CPU with the compiled kernels (not disable_cpu_kernels)")
     model_dir = prepare_model_dir(settings.model_path, settings.load_format)
     settings, quantization, dtype = resolve_quantization_and_dtype(settings, device, model_dir)
+    settings = resolve_deterministic(settings, device, quantization)
+    deterministic = bool(settings.enable_deterministic_inference)
     config = ModelConfig.from_pretrained(model_dir, dtype, settings.context_length, settings.kv_cache_dtype)
     kv_heads = kv_heads_per_rank(config.num_kv_heads, tp)
     use_kernels = device == "cpu" and not settings.disable_cpu_kernels
