@@ -84,3 +84,47 @@ def test_tp3_on_the_embedded_model_equals_hf(hf_oracle: HFOracle, prompts: list[
         assert_all_memory_free(engine)
     finally:
         engine.shutdown()
+
+
+def test_tp2_deterministic_inference_gives_a_prompt_its_bits_whatever_runs_beside_it(tp_engine: Any, prompts: list[list[int]]) -> None:
+    """--enable-deterministic-inference across two ranks: every rank's matmuls run in fixed
+    row blocks and split rows by role from the broadcast role_switches, and the all-reduce
+    sums two partials per element whatever the batch. So each prompt's tokens and logprob
+    bits alone on an empty cache equal those amid the others and fillers in chunked
+    prefills, and a next turn that marks the answer (its KV from the cache) equals the
+    same turn on an empty cache."""
+    from runtime.token_roles import TokenPrompt
+
+    engine = tp_engine(enable_deterministic_inference=True, chunked_prefill_size=32)
+    params = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+
+    cached: list[int] = []
+
+    def run(batch: list[Any]) -> list[tuple[list[int], list[float]]]:
+        outs = engine.generate(batch, params, return_logprob=True)
+        cached.extend(o["meta_info"]["cached_tokens"] for o in outs)
+        return [(o["output_ids"], [lp for lp, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+
+    def alone(batch: list[Any]) -> list[tuple[list[int], list[float]]]:
+        results = []
+        for p in batch:
+            assert engine.wait_idle(timeout=60) and engine.flush_cache()
+            results += run([p])
+        return results
+
+    first = alone(prompts)
+    fillers = [[(7 * i + j) % 500 + 3 for j in range(20 + 9 * i)] for i in range(6)]
+    assert engine.flush_cache()
+    assert run(fillers[:3] + prompts + fillers[3:])[3 : 3 + len(prompts)] == first
+
+    turns = [TokenPrompt(p + out + p[:2], ((len(p), len(p) + len(out)),)) for p, (out, _) in zip(prompts, first)]
+    fresh = alone(turns)
+    after = []
+    cached.clear()
+    for p, turn in zip(prompts, turns):
+        assert engine.wait_idle(timeout=60) and engine.flush_cache()
+        run([p])
+        after += run([turn])
+    assert after == fresh
+    assert cached[1::2] == [len(p) + MAX_NEW - 1 for p in prompts]  # the prompt and the answer's KV
+    assert_all_memory_free(engine)
