@@ -9,7 +9,10 @@ prefill of what the cache does not hold) and the tokens the cache served.
 A next turn marks the earlier answers in its prompt, as the chat route does
 (runtime/token_roles.py TokenPrompt); `--unmarked-answers` sends them as plain tokens, as a
 client of /generate does. Under `--ab enable_deterministic_inference=true` only a marked
-answer's KV is shared (that mode's tree keys a token by its role).
+answer's KV is shared (that mode's tree keys a token by its role). `--cold` empties the
+cache before each turn's first token: what a turn costs when its history is not cached
+(evicted, or another replica's), where that mode prefills marked answers on the kernel
+they were decoded on.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--user-len", type=int, default=32, help="Tokens of each later user message.")
     parser.add_argument("--answer-len", type=int, default=128, help="Greedy tokens of each answer.")
     parser.add_argument("--unmarked-answers", action="store_true", help="Send earlier answers back as plain prompt tokens.")
+    parser.add_argument("--cold", action="store_true", help="Empty the prefix cache before each turn's first token.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the random token ids.")
     parser.add_argument("--ab", action="append", default=[], help="Settings variant KEY=VALUE[,...] run after the base.")
     parser.add_argument("--output-file", default=None, help="Append one JSON line per variant.")
@@ -49,6 +53,8 @@ def run_conversations(engine: Any, args: argparse.Namespace) -> dict[str, dict[s
         assert engine.wait_idle(timeout=60) and engine.flush_cache(), "engine did not go idle"
         prompt = TokenPrompt(tokens(args.first_len))
         for turn in range(args.turns):
+            if args.cold:
+                assert engine.wait_idle(timeout=60) and engine.flush_cache(), "engine did not go idle"
             start = time.perf_counter()
             first = engine.generate(prompt, {**answer, "max_new_tokens": 1})
             ttft[str(turn)].append(time.perf_counter() - start)

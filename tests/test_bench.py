@@ -194,6 +194,16 @@ def test_multi_turn_shows_what_deterministic_inference_shares(tiny_model: Path, 
     assert all(len(v) == 1 and v[0] > 0 for r in (base, det) for v in r["ttft_s"].values())
 
 
+def test_multi_turn_cold_serves_every_turn_from_an_empty_cache(tiny_model: Path) -> None:
+    from bench import multi_turn
+
+    ns = parse("multi-turn", "--model-path", str(tiny_model), *ENGINE_FLAGS, "--conversations", "1", "--turns", "3",
+               "--first-len", "20", "--user-len", "4", "--answer-len", "6", "--cold")  # fmt: skip
+    (base,) = multi_turn.run(ns)
+    assert base["cached_tokens"] == {"0": [0], "1": [0], "2": [0]}
+    assert all(len(v) == 1 and v[0] > 0 for v in base["ttft_s"].values())
+
+
 def test_scheduler_overhead_runs_the_real_scheduler_at_each_n(tiny_model: Path) -> None:
     from bench import scheduler_overhead
 
