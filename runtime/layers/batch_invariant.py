@@ -64,6 +64,10 @@ class PromptRows:
 
     dense: torch.Tensor | None  # [D] int64 row indices
     rest: torch.Tensor | None  # [T - D] int64 row indices; None with dense
+    # A split forward computes its rows gathered as [dense; rest] and puts them back in
+    # place with one gather each way (cheaper than scattering two outputs).
+    order: torch.Tensor | None = None  # [T]: cat(dense, rest)
+    restore: torch.Tensor | None = None  # [T]: row i of the output is row restore[i] of the gathered one
 
     @staticmethod
     def of(prefix_lens: Sequence[int], extend_lens: Sequence[int], switches: Sequence[Sequence[int]]) -> PromptRows | None:
@@ -80,7 +84,8 @@ class PromptRows:
             return None
         if not rest:
             return PromptRows(None, None)
-        return PromptRows(torch.tensor(dense), torch.tensor(rest))
+        order = torch.tensor(dense + rest)
+        return PromptRows(order[: len(dense)], order[len(dense) :], order, torch.argsort(order))
 
 
 _PROMPT_ROWS: ContextVar[PromptRows | None] = ContextVar("sluice_prompt_rows", default=None)

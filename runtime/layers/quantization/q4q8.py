@@ -91,13 +91,12 @@ class Q4Q8LinearMethod(UnquantizedLinearMethod):
         if dense is not None:
             return dense
         rows = prompt_rows() if layer.batch_invariant and hasattr(layer, "dense_tiles") else None
-        if rows is not None and rows.dense is not None and rows.rest is not None:
-            # Deterministic inference, prompt and generated tokens in one forward: each
-            # row on its role's kernel (batch_invariant.PromptRows).
-            x2 = x.reshape(-1, x.shape[-1])
-            out = x2.new_empty(x2.shape[0], cast(torch.Tensor, layer.q4_weight).shape[0] * LANES)
-            out[rows.dense] = tiles_matmul(layer, x2[rows.dense], None, self.ops)
-            out[rows.rest] = self._blocks(layer, x2[rows.rest])
+        if rows is not None and rows.order is not None and rows.restore is not None:
+            # Deterministic inference, given text and answers in one forward: each row on
+            # its role's kernel (batch_invariant.PromptRows).
+            xs = x.reshape(-1, x.shape[-1]).index_select(0, rows.order)
+            d = len(rows.order) - len(cast(torch.Tensor, rows.rest))
+            out = torch.cat([tiles_matmul(layer, xs[:d], None, self.ops), self._blocks(layer, xs[d:])]).index_select(0, rows.restore)
         else:
             out = self._blocks(layer, x.reshape(-1, x.shape[-1]))
         out = out.view(*x.shape[:-1], out.shape[-1])
