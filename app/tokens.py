@@ -99,15 +99,17 @@ class TokenizerService:
 
 
 def _token_spans(offsets: list[tuple[int, int]], chars: list[Span]) -> tuple[Span, ...]:
-    """The runs of tokens whose characters lie inside one of `chars` (sorted spans)."""
+    """The runs of tokens with characters inside one of `chars` (sorted spans). A token
+    across a span's edge counts: some tokenizers (SentencePiece's) fold the space a
+    template puts before an answer into the answer's first token."""
     spans: list[Span] = []
     k = 0
     for i, (start, end) in enumerate(offsets):
-        while k < len(chars) and chars[k][1] < end:
+        while k < len(chars) and chars[k][1] <= start:
             k += 1
         if k == len(chars):
             break
-        if chars[k][0] <= start < end:
+        if start < end and end > chars[k][0]:
             if spans and spans[-1][1] == i:
                 spans[-1] = (spans[-1][0], i + 1)
             else:

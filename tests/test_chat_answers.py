@@ -43,10 +43,12 @@ def test_the_chat_prompt_marks_each_assistant_message_as_the_model_wrote_it(toke
     assert marked.check() is None
 
 
-def test_token_spans_take_the_tokens_inside_the_characters_only() -> None:
-    offsets = [(0, 2), (2, 5), (5, 9), (9, 10), (10, 10), (10, 14), (14, 20)]
-    # Chars 2-10 hold tokens 1-3; 12-20 cuts token 5, so only token 6 is inside.
-    assert _token_spans(offsets, [(2, 10), (12, 20)]) == ((1, 4), (6, 7))
+def test_token_spans_take_the_tokens_with_characters_in_the_spans() -> None:
+    offsets = [(0, 2), (2, 5), (5, 9), (9, 10), (10, 10), (10, 14), (14, 20), (20, 22)]
+    # Chars 2-10 hold tokens 1-3 (token 4 is empty); 13-20 holds part of token 5 (a
+    # token across the edge counts) and token 6.
+    assert _token_spans(offsets, [(2, 10), (13, 20)]) == ((1, 4), (5, 7))
+    assert _token_spans(offsets, [(3, 4)]) == ((1, 2),)
     assert _token_spans(offsets, []) == ()
 
 
