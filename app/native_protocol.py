@@ -25,8 +25,10 @@ from app.protocol import (
     TokenId,
     TokenIds,
 )
+from runtime.token_roles import Span
 
 Rid = Annotated[str, Field(min_length=1, max_length=256)]
+SpanBody = Annotated[list[int], Field(min_length=2, max_length=2)]  # [start, end)
 
 
 class SamplingParamsBody(SamplingKnobs):
@@ -52,6 +54,10 @@ class GenerateRequest(GenerationBody):
         "With return_logprob: -1 = output tokens only; s >= 0 = also the prompt's tokens from position s on "
         "(meta_info.input_token_logprobs, whose first entry has logprob null). Must be below the prompt's length."))
     return_text_in_logprobs: bool = Field(False, description="Fill each logprob entry's third element with its token's text.")
+    answer_spans: list[SpanBody] | list[list[SpanBody]] | None = Field(None, description=(
+        "With input_ids (sluice): the [start, end) positions of earlier answers of the model in the prompt (a "
+        "conversation's assistant turns), sorted and disjoint; a batch gives one list per prompt. Under "
+        "deterministic inference an earlier answer's KV is then served from the turn that wrote it."))
 
     @field_validator("logprob_start_len")
     @classmethod
@@ -69,7 +75,19 @@ class GenerateRequest(GenerationBody):
             value = getattr(self, name)
             if isinstance(value, list) and (not self.batched or len(value) != n):
                 raise ValueError(f"a list of {name} needs a batch of as many prompts ({n})")
+        spans = self.answer_spans
+        if spans is not None:
+            per_prompt = any(len(x) != 2 or not all(isinstance(v, int) for v in x) for x in spans)  # span lists, not spans
+            if self.input_ids is None or per_prompt != self.batched or (per_prompt and len(spans) != n):
+                raise ValueError(f"answer_spans needs input_ids: one list of [start, end] pairs, or in a batch one per prompt ({n})")
         return self
+
+    def spans(self) -> list[tuple[Span, ...]]:
+        """The answer spans of each prompt (none given: empty)."""
+        if self.answer_spans is None:
+            return [()] * len(self.prompts())
+        each = cast(list[list[list[int]]], self.answer_spans) if self.batched else [cast(list[list[int]], self.answer_spans)]
+        return [tuple((a, b) for a, b in spans) for spans in each]
 
     @property
     def batched(self) -> bool:

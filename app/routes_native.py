@@ -34,6 +34,7 @@ async def _plan(state: AppState, req: GenerateRequest, tokens: TokenizerService)
     boots = req.bootstraps(len(prompts), 1)
     group_id = req.rid if isinstance(req.rid, str) else uuid.uuid4().hex
     choices = []
+    spans = req.spans()
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             ids = await tokens.encode(prompt)
@@ -47,7 +48,7 @@ async def _plan(state: AppState, req: GenerateRequest, tokens: TokenizerService)
         rid = req.rid[i] if isinstance(req.rid, list) else group_id if not req.batched else f"{group_id}-{i}"
         start = req.logprob_start_len[i] if isinstance(req.logprob_start_len, list) else req.logprob_start_len
         priority = request_priority(req.priority[i] if isinstance(req.priority, list) else req.priority)
-        choices.append(Choice(i, rid, ids, sampling_params(body, max_new), boots[i], start, priority))
+        choices.append(Choice(i, rid, ids, sampling_params(body, max_new), boots[i], start, priority, answer_spans=spans[i]))
     return Plan(
         group_id, choices, lambda group: _NativeView(group, req.batched, tokens, req.return_text_in_logprobs),
         return_logprob=req.return_logprob or req.top_logprobs_num > 0, top_logprobs_num=req.top_logprobs_num,

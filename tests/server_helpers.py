@@ -307,6 +307,7 @@ class FakeEngine:
         self.rids: list[str] = []
         self.priorities: list[int | None] = []
         self.calls: list[SamplingParams] = []
+        self.answer_spans: list[tuple[tuple[int, int], ...]] = []  # each request's TokenPrompt.answer_spans
         self.logprob_starts: list[int] = []  # each request's logprob_start_len
 
     def get_server_info(self) -> dict[str, Any]:
@@ -327,6 +328,7 @@ class FakeEngine:
         self.rids.append(rid)
         self.logprob_starts.append(logprob_start_len)
         self.priorities.append(priority)
+        self.answer_spans.append(prompt.answer_spans)
         return self._stream(prompt.input_ids, params, rid, return_logprob, top_logprobs_num, logprob_start_len)
 
     async def _stream(self, prompt: list[int], params: SamplingParams, rid: str, return_logprob: bool,

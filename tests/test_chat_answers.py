@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from app.tokens import TokenizerService, _token_spans
-from tests.server_helpers import ServerProcess, shared_server
+from tests.server_helpers import ServerProcess, assert_error_envelope, shared_server
 
 ANSWERS = ["Paris is the capital of France.", " Two spaces,\nand a line: 3 + 4 = 7 ✓"]
 MESSAGES: list[dict[str, object]] = [
@@ -84,4 +84,25 @@ def test_a_chats_next_turn_reuses_the_answers_kv_and_changes_no_bit(server: Serv
     assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["choices"][0]["message"] == fresh["choices"][0]["message"]
     assert second["choices"][0]["logprobs"] == fresh["choices"][0]["logprobs"]
+    server.wait_all_kv_free()
+
+
+def test_generate_takes_answer_spans_with_input_ids(server: ServerProcess) -> None:
+    """The native route's `answer_spans` (with input_ids): a next turn sent as token ids
+    reuses the answer's KV when it marks it, and only its prompt's when it does not; spans
+    that do not fit the prompt are a 400 naming answer_spans."""
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    prompt = [1, 9690, 198, 504, 5248, 314, 253, 4001, 30, 2, 198, 1, 520, 9531, 198]
+    with server.client() as http:
+        assert http.post("/flush_cache").status_code == 200
+        first = http.post("/generate", json={"input_ids": prompt, "sampling_params": params}).json()
+        answer = first["output_ids"]
+        turn = prompt + answer + [2, 198, 1, 4093, 198]
+        span = [[len(prompt), len(prompt) + len(answer)]]
+        marked, plain = (http.post("/generate", json={"input_ids": turn, "sampling_params": params, **extra}).json()
+                         for extra in ({"answer_spans": span}, {}))  # fmt: skip
+        bad = http.post("/generate", json={"input_ids": turn, "answer_spans": [[3, len(turn) + 1]]})
+    assert marked["meta_info"]["cached_tokens"] == len(prompt) + len(answer) - 1
+    assert plain["meta_info"]["cached_tokens"] == len(prompt)
+    assert assert_error_envelope(bad, 400)["param"] == "answer_spans"
     server.wait_all_kv_free()

@@ -86,3 +86,16 @@ async def test_load_report_and_info_aliases_sglang_router_reads(client: httpx.As
         {"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 4096 - 3000 - 96}]
     for new, old in (("/server_info", "/get_server_info"), ("/model_info", "/get_model_info")):
         assert (await client.get(new)).json() == (await client.get(old)).json()
+
+
+async def test_generate_hands_each_prompt_its_answer_spans(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    """`answer_spans` with input_ids reach the engine per prompt; with text, or shaped for
+    one prompt in a batch, they are a 400 before the engine sees anything."""
+    body = {"input_ids": [[5, 6, 7, 8], [9, 10]], "answer_spans": [[[1, 3]], []], "sampling_params": {"max_new_tokens": 1}}
+    r = await client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    assert sorted(engine.answer_spans) == [(), ((1, 3),)]
+    for bad in ({"text": "abc", "answer_spans": [[0, 1]]}, {"input_ids": [[5, 6], [7, 8]], "answer_spans": [[0, 1]]}):
+        r = await client.post("/generate", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["message"]
+    assert len(engine.answer_spans) == 2
