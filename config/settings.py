@@ -108,7 +108,8 @@ class EngineSettings:
         "with the compiled kernels only. Unset: on where it costs nothing measurable (quantization gguf on a "
         "CPU with AVX512-BF16 and no AMX), else off; the startup log says which. Float modes' matmuls run in "
         "16-row blocks. A token's KV depends on whether the model wrote it, so the radix cache shares an "
-        "earlier answer only where the prompt marks it (the chat route marks assistant messages); on a cold "
+        "earlier answer only where the prompt marks it (the chat route marks assistant messages; /generate "
+        "takes answer_spans); on a cold "
         "cache those tokens prefill on the decode kernel. Unseeded temperature > 0 stays batch-dependent."
     )
     # --- structured output ---
