@@ -185,7 +185,7 @@ def test_a_role_keyed_tree_shares_kv_only_between_tokens_of_one_role() -> None:
     assert len(c.prefix_indices) == 3 and own.numel() == 4
     assert cache.cache_unfinished_req(c) is False
     assert cache.total_size() == 5 + 3 + 4 and len(c.prefix_indices) == 7
-    assert cache.key(c, 7) == [1, 2, 3, ~4, ~5, ~6, ~9]
+    assert cache.key(c, c.fill_ids) == [1, 2, 3, ~4, ~5, ~6, ~9]
     cache.cache_finished_req(c, kv_len=7)
     assert pool.available_size() == pool.size and cache.protected_size() == 0
     cache.evict(cache.total_size())

@@ -140,7 +140,7 @@ class Req:
             limit = len(self.fill_ids) - 1
             if self.prompt_logprobs is not None and (scored := self.prompt_logprobs.prefix_limit()) is not None:
                 limit = min(limit, scored)
-            self.prefix_indices, self.last_node = tree_cache.match_prefix(tree_cache.key(self, limit))
+            self.prefix_indices, self.last_node = tree_cache.match_prefix(tree_cache.key(self, self.fill_ids[:limit]))
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
     # ---- stop conditions ---------------------------------------------------------

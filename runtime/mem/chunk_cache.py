@@ -28,7 +28,7 @@ class ChunkCache:
     def reset(self) -> None:
         pass
 
-    def key(self, req: CacheableReq, n: int) -> list[int]:
+    def key(self, req: CacheableReq, tokens: list[int]) -> list[int]:
         return []  # nothing to match
 
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode | None]:

@@ -57,8 +57,8 @@ class PrefixCache(Protocol):
 
     def reset(self) -> None: ...
 
-    def key(self, req: CacheableReq, n: int) -> list[int]:
-        """What `match_prefix` takes for the request's first n tokens (prompt + output):
+    def key(self, req: CacheableReq, tokens: list[int]) -> list[int]:
+        """What `match_prefix` takes for `tokens`, a head of the request's prompt + output:
         the tokens, or under deterministic inference, the tokens with their roles."""
         ...
 

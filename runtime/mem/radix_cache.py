@@ -161,8 +161,7 @@ class RadixCache:
         return out
 
     # ---- request-level operations -----------------------------------------
-    def key(self, req: CacheableReq, n: int) -> list[int]:
-        tokens = (req.origin_input_ids + req.output_ids)[:n]
+    def key(self, req: CacheableReq, tokens: list[int]) -> list[int]:
         return role_keyed(tokens, req.role_switches) if self.by_role else tokens
 
     def _borrowed_len(self, req: CacheableReq) -> int:
@@ -179,7 +178,7 @@ class RadixCache:
         kv = self.req_to_token_pool.req_to_token[row, :kv_len].to(torch.int64)
         aligned = kv_len - kv_len % self.page_size
         self.allocator.free(kv[aligned:])
-        new_prefix = self.insert(self.key(req, aligned), kv[:aligned])
+        new_prefix = self.insert(self.key(req, (req.origin_input_ids + req.output_ids)[:aligned]), kv[:aligned])
         # Slots between what the request borrowed and what the tree already had are
         # duplicates of tree-owned KV: the request's copies go back to the allocator.
         self.allocator.free(kv[self._borrowed_len(req) : new_prefix])
@@ -201,7 +200,7 @@ class RadixCache:
         kv = self.req_to_token_pool.req_to_token[row, :n].to(torch.int64)
         aligned = n - n % self.page_size
         borrowed = self._borrowed_len(req)
-        key = self.key(req, aligned)
+        key = self.key(req, req.fill_ids[:aligned])
         new_prefix = self.insert(key, kv[:aligned])
         self.allocator.free(kv[borrowed:new_prefix])
         new_indices, new_node = self.match_prefix(key)

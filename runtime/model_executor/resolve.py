@@ -109,12 +109,11 @@ def resolve_deterministic(settings: EngineSettings, device: str, quantization: Q
     end) and off CPU (the mode needs the CPU kernels)."""
     if settings.enable_deterministic_inference is not None:
         return settings
-    feature = cpu_bf16_feature() if device == "cpu" else None
     if device != "cpu" or settings.disable_cpu_kernels:
         on, reason = False, "needs the CPU kernels"
     elif quantization != "gguf" or settings.tp_size > 1:
         on, reason = False, f"quantization={quantization}, tp_size={settings.tp_size}: the cost is only measured free for gguf at tp_size 1"
-    elif feature != "avx512_bf16":
+    elif (feature := cpu_bf16_feature()) != "avx512_bf16":
         on, reason = False, f"{feature or 'no native bf16'}: its cost is only measured free with AVX512-BF16 tiles"
     else:
         on, reason = True, "gguf on AVX512-BF16 tiles: no measured cost (bench/RESULTS.md item 25)"
