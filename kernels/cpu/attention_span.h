@@ -4,15 +4,16 @@
 // split a sequence into spans).
 //
 // For a query q (pre-scaled by 1/sqrt(D)) against positions p = 0 .. len-1:
-//   score[p] = sum16(lane), lane[r] = the fma chain over j = 0 .. D/16-1, in order, of
-//              q[16 j + r] * k_p[16 j + r] (its first term an fma onto +0), and sum16 the
-//              fixed tree (r + r+8), then (+4), (+2), (+1)
+//   score[p] = tree(lane), lane[r] = the fma chain over j = 0 .. D/16-1, in order, of
+//              q[16 j + r] * k_p[16 j + r] (its first term an fma onto +0), and the fixed
+//              tree over lanes r: (r + r+8), then (+4), (+2), (+1)
 //   m        = max over p; e[p] = exp(score[p] - m) (at::vec's vector exp)
 //   sum      = 16 lane sums (lane j: positions p = j mod 16, in order), then lanes 0..15
 //   out[d]   = (the fma chain over p, in order, of e[p] * v_p[d]) * (1 / sum)
 // Where the keys are rows (a decode: one query reads each K row once), a score is 4 fmas
-// and one sum16; where K is a transposed tile of 16 positions (an extend: 16 queries share
-// it), it is 16 lane vectors of positions and the same tree between them.
+// and the tree, 16 positions' trees side by side (tree16: no horizontal sum per score);
+// where K is a transposed tile of 16 positions (an extend: 16 queries share it), it is 16
+// lane vectors of positions and the same tree between them.
 #pragma once
 #include "cpu_common.h"
 #include <ATen/cpu/vec/vec.h>
@@ -71,12 +72,28 @@ inline void sum8_lanes(V* a) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// The same tree over the 16 lanes of one vector (one score's channel lanes).
-inline float sum16(__m512 v) {
-  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));  // r + r+8
-  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));      // + r+4
-  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                                       // + r+2
-  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));                                   // + r+1
+// The score tree for 16 positions at once: the additions above, of the same operands
+// (so the same bits: IEEE addition is commutative), done across vectors. `a_p` is
+// position p's 16 channel lanes.
+//   pair2:  [a_p0 | a_p1] halves        -> x[r] = a_p0[r] + a_p0[r+8], x[8+r] = a_p1[r] + a_p1[r+8]
+//   quad4:  two pair2 results (p0..p3)  -> 128-bit lane i = position p_i's four (+4) sums
+//   tree16: four quad4 results          -> lane i (position i) = its score, in position order
+inline __m512 pair2(__m512 a0, __m512 a1) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xee));
+}
+
+inline __m512 quad4(__m512 x01, __m512 x23) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xdd));
+}
+
+inline __m512 tree16(const __m512* z) {
+  // (+2): within each 128-bit lane, [z0 c0, z0 c1, z1 c0, z1 c1] of z0[r] + z0[r+2] ...
+  const __m512 v01 = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x44), _mm512_shuffle_ps(z[0], z[1], 0xee));
+  const __m512 v23 = _mm512_add_ps(_mm512_shuffle_ps(z[2], z[3], 0x44), _mm512_shuffle_ps(z[2], z[3], 0xee));
+  // (+1): 128-bit lane i holds the scores of positions i, 4 + i, 8 + i, 12 + i.
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(v01, v23, 0x88), _mm512_shuffle_ps(v01, v23, 0xdd));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, e);
 }
 
 constexpr int64_t kSpanVecs = 16;  // G * D / 16 sums in registers (SmolLM2: 3 * 4)
@@ -106,15 +123,36 @@ void attend_span(const float* qf, const KT* kp, const KT* vp, const int64_t* idx
   if (static_cast<int64_t>(scores.size()) < G * len) scores.resize(G * len);
   __m512 qv[kSpanVecs];
   for (int64_t j = 0; j < G * dv; ++j) qv[j] = _mm512_loadu_ps(qf + 16 * j);
-  // Pass 1: scores[g * len + t] = q_g . k_t.
-  for (int64_t t = 0; t < len; ++t) {
+  // Pass 1: scores[g * len + t] = q_g . k_t, 16 positions at a time: each position's
+  // lane vectors as before, their trees side by side (pair2, quad4, tree16). Positions
+  // past len score a zero row; their lanes are not stored.
+  constexpr int64_t kZ = kG > 0 ? kG : kSpanVecs;
+  auto lanes = [&](int64_t t, __m512* acc) {  // acc[g] = q_g's fma chains against k_t
     __m512 kv[kSpanVecs];
-    load_row(kp, idx + t0, t, len, row, h * D, dv, kv);
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t j = 0; j < dv; ++j) acc = _mm512_fmadd_ps(qv[g * dv + j], kv[j], acc);
-      scores[g * len + t] = sum16(acc);
+    if (t < len) {
+      load_row(kp, idx + t0, t, len, row, h * D, dv, kv);
+    } else {
+      for (int64_t j = 0; j < dv; ++j) kv[j] = _mm512_setzero_ps();
     }
+    for (int64_t g = 0; g < G; ++g) {
+      acc[g] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < dv; ++j) acc[g] = _mm512_fmadd_ps(qv[g * dv + j], kv[j], acc[g]);
+    }
+  };
+  for (int64_t p0 = 0; p0 < len; p0 += 16) {
+    __m512 z[kZ][4];
+    for (int64_t s = 0; s < 4; ++s) {
+      __m512 x01[kZ], a0[kZ], a1[kZ];
+      const int64_t t = p0 + 4 * s;
+      lanes(t, a0);
+      lanes(t + 1, a1);
+      for (int64_t g = 0; g < G; ++g) x01[g] = pair2(a0[g], a1[g]);
+      lanes(t + 2, a0);
+      lanes(t + 3, a1);
+      for (int64_t g = 0; g < G; ++g) z[g][s] = quad4(x01[g], pair2(a0[g], a1[g]));
+    }
+    const __mmask16 live = len - p0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (len - p0)) - 1);
+    for (int64_t g = 0; g < G; ++g) _mm512_mask_storeu_ps(scores.data() + g * len + p0, live, tree16(z[g]));
   }
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores.data() + g * len;
