@@ -104,7 +104,7 @@ class AppState:
         limit = int(engine.model_config.context_len)
         kv_tokens = engine.get_server_info().get("max_total_num_tokens")
         if isinstance(kv_tokens, int):
-            limit = min(limit, kv_tokens - (engine.settings.page_size or 1))
+            limit = min(limit, kv_tokens - int(engine.settings.page_size))
         self.context_limit = limit
         self.tokens = tokens
         self.engine = engine

@@ -72,12 +72,10 @@ def measure(args: argparse.Namespace, n: int, tokenizer: Any) -> dict[str, Any]:
 
     max_new = args.warmup_rounds + args.rounds + 64
     per_req = args.input_len + max_new
-    page = engine_settings(args).page_size or 1
+    page = engine_settings(args).page_size
     total = (n * (per_req + 2 * page) // page + 1) * page
     settings = engine_settings(args, device="cpu", random_seed=0)
-    settings = dataclasses.replace(
-        settings, max_running_requests=max(n, settings.max_running_requests or 0), max_total_tokens=total, page_size=page
-    )
+    settings = dataclasses.replace(settings, max_running_requests=max(n, settings.max_running_requests or 0), max_total_tokens=total)
     sched = build_scheduler(settings, per_req + page, tokenizer)
     rng = random.Random(args.seed)
     params = SamplingParams.from_dict({"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True})

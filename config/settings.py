@@ -72,10 +72,7 @@ class EngineSettings:
         None, "Fraction of GPU memory for weights + KV pool (CUDA only). Default: from GPU memory, "
         "leaving room for the largest prefill's activations and the CUDA graphs (SGLang's rule)."
     )
-    page_size: int | None = knob(
-        None, "Tokens per KV page; the radix cache matches in whole pages. Unset: 16 for quantization gguf on "
-        "CPU (a decode step then reads each request's KV in runs of 16 rows), else 1."
-    )
+    page_size: int = knob(1, "Tokens per KV page; the radix cache matches in whole pages.")
     disable_radix_cache: bool = knob(False, "Use a plain chunk cache: no prefix sharing between requests.")
     # --- scheduling ---
     chunked_prefill_size: int | None = knob(
@@ -216,13 +213,13 @@ def validate(s: EngineSettings | ServerSettings) -> None:
     if isinstance(s, EngineSettings):
         for name in ("context_length", "max_running_requests", "max_total_tokens", "cuda_graph_max_bs", "num_threads"):
             _check_min(name, getattr(s, name), 1)
-        _check_min("page_size", s.page_size, 1)
+        _check_min("page_size", s.page_size, 1, allow_none=False)
         _check_min("max_prefill_tokens", s.max_prefill_tokens, 1, allow_none=False)
         _check_min("decode_log_interval", s.decode_log_interval, 1, allow_none=False)
         _check_min("trace_buffer_size", s.trace_buffer_size, 0, allow_none=False)
         if s.chunked_prefill_size is not None and s.chunked_prefill_size != -1 and s.chunked_prefill_size < 1:
             raise SettingsError("chunked_prefill_size: must be -1 (off), None (auto) or >= 1")
-        if s.chunked_prefill_size not in (None, -1) and s.chunked_prefill_size < (s.page_size or 1):
+        if s.chunked_prefill_size not in (None, -1) and s.chunked_prefill_size < s.page_size:
             raise SettingsError("chunked_prefill_size must be at least page_size")
         if s.mem_fraction_static is not None and not 0.0 < s.mem_fraction_static < 1.0:
             raise SettingsError(f"mem_fraction_static={s.mem_fraction_static}: must be in (0, 1)")

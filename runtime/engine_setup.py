@@ -64,7 +64,7 @@ class EngineStack:
 
 
 def _pools(settings: EngineSettings, config: ModelConfig) -> MemoryPools:
-    assert settings.max_total_tokens and settings.max_running_requests and settings.page_size, "resolve_settings first"
+    assert settings.max_total_tokens and settings.max_running_requests, "resolve_settings first"
     return MemoryPools.build(
         settings.max_running_requests,
         config.context_len,

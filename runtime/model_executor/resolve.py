@@ -96,13 +96,6 @@ def resolve_quantization_and_dtype(
         # weights; float16 halves it at no measured agreement cost (bench/RESULTS.md item 18).
         settings = dataclasses.replace(settings, kv_cache_dtype="float16")
         log.info("kv_cache_dtype auto resolved", kv_cache_dtype="float16", reason="quantization=gguf on CPU: half the KV bytes")
-    chunk = settings.chunked_prefill_size
-    if settings.page_size is None and quant == "gguf" and device == "cpu" and (chunk is None or chunk == -1 or chunk >= 16):
-        # Page size 1 hands a decode step's 16 new slots to 16 requests side by side, so a
-        # request's generated tokens sit 16 rows apart and its attention reads them one
-        # row at a time from memory; pages of 16 keep them in runs (bench/RESULTS.md item 26).
-        settings = dataclasses.replace(settings, page_size=16)
-        log.info("page_size auto resolved", page_size=16, reason="quantization=gguf on CPU: each request's KV in runs of 16 rows")
     return settings, quant, dtype
 
 
@@ -149,7 +142,6 @@ def resolve_settings(settings: EngineSettings, device: str, config: ModelConfig,
     """Fill every auto knob with a number. On CUDA this runs with the weights resident.
     `kv_heads` is what this rank's KV pool holds (all of them below tp_size 2)."""
     per_token = KVPool.bytes_per_token(config.num_layers, kv_heads, config.head_dim, config.kv_dtype)
-    page = settings.page_size or 1
     if device == "cuda":
         # Memory an earlier engine of this process freed may still sit in unreachable
         # cycles or in torch's caching allocator, where mem_get_info counts it as used.
@@ -159,12 +151,12 @@ def resolve_settings(settings: EngineSettings, device: str, config: ModelConfig,
         gpu = gpu_memory_defaults(
             total, settings.chunked_prefill_size, settings.cuda_graph_max_bs, settings.mem_fraction_static, settings.max_prefill_tokens
         )
-        max_total = settings.max_total_tokens or kv_pool_tokens(free, total, gpu.mem_fraction_static, per_token, page)
+        max_total = settings.max_total_tokens or kv_pool_tokens(free, total, gpu.mem_fraction_static, per_token, settings.page_size)
     else:
         gpu = None
         max_total = settings.max_total_tokens or min(CPU_KV_BUDGET_BYTES, _cpu_ram_bytes() // 4) // per_token
-    max_total = max_total - max_total % page
-    if max_total < page * 2:
+    max_total = max_total - max_total % settings.page_size
+    if max_total < settings.page_size * 2:
         raise SettingsError(f"max_total_tokens={max_total} is too small")
     max_running = settings.max_running_requests or (default_max_running_requests(max_total, config.context_len) if gpu else 256)
     chunk = settings.chunked_prefill_size
@@ -180,7 +172,6 @@ def resolve_settings(settings: EngineSettings, device: str, config: ModelConfig,
         context_length=config.context_len,
         max_total_tokens=max_total,
         max_running_requests=max_running,
-        page_size=page,
         chunked_prefill_size=chunk,
         attention_backend=backend,
         cuda_graph_max_bs=cuda_graph_max_bs,

@@ -60,7 +60,7 @@ def _agree_min(settings: EngineSettings, device: torch.device) -> EngineSettings
     """Every rank takes the smallest KV pool and row count any rank can hold."""
     if get_tp_size() == 1:
         return settings
-    assert settings.max_total_tokens and settings.max_running_requests and settings.page_size
+    assert settings.max_total_tokens and settings.max_running_requests
     values = torch.tensor([settings.max_total_tokens, settings.max_running_requests], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MIN)
     max_total, max_running = values.tolist()
@@ -91,7 +91,7 @@ def build_shard(settings: EngineSettings, rank: int, init_method: str | None) ->
     cpu_ops = load_cpu_ops() if use_kernels else None
     model = load_model(model_dir, config, settings.load_format, str(dev), settings.random_seed, quantization, cpu_ops=cpu_ops)
     settings = _agree_min(resolve_pooling(resolve_settings(settings, device, config, kv_heads), model_dir), dev)
-    assert settings.max_total_tokens and settings.max_running_requests and settings.page_size
+    assert settings.max_total_tokens and settings.max_running_requests
     kv_pool = KVPool(settings.max_total_tokens + settings.page_size, config.num_layers, kv_heads, config.head_dim, config.kv_dtype, dev)
     backend = create_attention_backend(
         settings.attention_backend, device, use_cpu_kernel=use_kernels, deterministic=deterministic,
