@@ -60,14 +60,21 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 class PromptRows:
     """The rows of one forward's packed tokens that are given text, not answers
     (deterministic inference: they take a layer's bfloat16 tiles; the rest take its Q4
-    blocks). `dense is None`: every row is given text."""
+    blocks). `order is None`: every row is given text. A split forward computes its rows
+    gathered in `order` and puts them back with `restore`, one gather each way (cheaper
+    than scattering two outputs)."""
 
-    dense: torch.Tensor | None  # [D] int64 row indices
-    rest: torch.Tensor | None  # [T - D] int64 row indices; None with dense
-    # A split forward computes its rows gathered as [dense; rest] and puts them back in
-    # place with one gather each way (cheaper than scattering two outputs).
-    order: torch.Tensor | None = None  # [T]: cat(dense, rest)
-    restore: torch.Tensor | None = None  # [T]: row i of the output is row restore[i] of the gathered one
+    order: torch.Tensor | None  # [T] int64: the given-text rows, then the answers'
+    restore: torch.Tensor | None  # [T]: row i of the output is row restore[i] of the gathered one
+    given: int = 0  # how many of `order` are given text
+
+    @property
+    def dense(self) -> torch.Tensor | None:  # the given-text rows
+        return None if self.order is None else self.order[: self.given]
+
+    @property
+    def rest(self) -> torch.Tensor | None:  # the answers' rows
+        return None if self.order is None else self.order[self.given :]
 
     @staticmethod
     def of(prefix_lens: Sequence[int], extend_lens: Sequence[int], switches: Sequence[Sequence[int]]) -> PromptRows | None:
@@ -85,7 +92,7 @@ class PromptRows:
         if not rest:
             return PromptRows(None, None)
         order = torch.tensor(dense + rest)
-        return PromptRows(order[: len(dense)], order[len(dense) :], order, torch.argsort(order))
+        return PromptRows(order, torch.argsort(order), len(dense))
 
 
 _PROMPT_ROWS: ContextVar[PromptRows | None] = ContextVar("sluice_prompt_rows", default=None)

@@ -94,8 +94,7 @@ class Q4Q8LinearMethod(UnquantizedLinearMethod):
         if rows is not None and rows.order is not None and rows.restore is not None:
             # Deterministic inference, given text and answers in one forward: each row on
             # its role's kernel (batch_invariant.PromptRows).
-            xs = x.reshape(-1, x.shape[-1]).index_select(0, rows.order)
-            d = len(cast(torch.Tensor, rows.dense))
+            xs, d = x.reshape(-1, x.shape[-1]).index_select(0, rows.order), rows.given
             out = torch.cat([tiles_matmul(layer, xs[:d], None, self.ops), self._blocks(layer, xs[d:])]).index_select(0, rows.restore)
         else:
             out = self._blocks(layer, x.reshape(-1, x.shape[-1]))
