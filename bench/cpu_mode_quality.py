@@ -6,9 +6,9 @@ Teacher forcing over `--windows` windows of 128 tokens of this repository's docs
 both the prefill path and the decode path of a mode are measured), against the
 float32 conversion of the embedded GGUF:
 
-  default      quantization=auto (gguf: the Q4 blocks through q4q8 on a VNNI CPU, their
-               bf16 copy for batches of >= 32 rows), fused CPU kernels, exact Q8 LM head
-  default only the same without the bf16 copy (every matmul through the packed kernel)
+  default      quantization=auto (gguf: the Q4 blocks through q4q8 on a VNNI or AVX2 CPU,
+               their dense copy for batches of >= 32 rows), fused CPU kernels, exact Q8 LM head
+  default only the same without the dense copy (every matmul through the packed kernel)
   default, X KV the default with a float16 / bfloat16 KV cache (--kv-cache-dtype)
   int4         gguf through torch's int4 kernel (bf16 activations), with / without the copy
   bf16         a bfloat16 model without quantization (the previous default on AMX CPUs)
@@ -56,7 +56,7 @@ def main() -> None:
     f32 = ModelConfig.from_pretrained(model_dir, torch.float32, context_length=512)
     ref = logits(load_model(model_dir, f32, "auto", "cpu", seed=None), f32)
     print(f"{len(windows) * 128} tokens; top-1 agreement, mean |delta logprob| vs float32")
-    # default: with the kernels, Q4 layers are q4q8 (int8 activations) on a VNNI CPU;
+    # default: with the kernels, Q4 layers are q4q8 (int8 activations) on a VNNI or AVX2 CPU;
     # "int4": torch's int4 kernel (bf16 activations), the form without that kernel.
     for name, kernel_ops in [("default", ops), ("int4", None)]:
         if name not in args.modes:

@@ -4,7 +4,7 @@ SmolLM2-135M's 120 linears (30 layers x qkv 960x576, o 576x576, gate|up 3072x576
 down 576x1536) with random Q4_1-shaped blocks, each layer its own weights so that a
 pass streams them from memory as a real step does (66 MB for q4q8), at M rows:
 
-    q4q8   kernels/cpu/q4_linear.cpp: the blocks x 16-bit fixed-point activations (VNNI)
+    q4q8   kernels/cpu/q4_linear.cpp: the blocks x 16-bit fixed-point activations (VNNI / AVX2)
     int4   torch's `_weight_int4pack_mm_for_cpu` on the same weights (bf16 activations)
     bf16   F.linear on the dequantized weights in bfloat16 (oneDNN: AMX / AVX512-BF16)
 

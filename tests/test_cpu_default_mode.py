@@ -103,7 +103,7 @@ def test_the_default_model_agrees_with_float32_teacher_forced(model_dir: Path, t
 
     ref = teacher_forced(load_model(model_dir, config, "auto", "cpu", seed=None), config, windows)
     model = load_model(model_dir, config, "auto", "cpu", seed=None, quantization="gguf", cpu_ops=ops)
-    stack = {"decode_stack": 1} if ops.q4_linear_vnni() else {}  # q4q8 linears: the layers fuse into one call
+    stack = {"decode_stack": 1} if ops.q4_linear_isa() else {}  # q4q8 linears: the layers fuse into one call
     assert bind_cpu_ops(model, ops) == {"LlamaAttention": 30, "SiluAndMulMLP": 30, "RMSNorm": 61, "q8_lm_head": 1, **stack}
     top1, dlogprob = agreement(teacher_forced(model, config, windows), ref)
     print(f"default vs float32 over {len(ids)} tokens: top-1 {top1:.3f}, mean |delta logprob| {dlogprob:.4f}")
@@ -117,7 +117,7 @@ def test_an_engine_with_no_flags_serves_the_default_mode(make_engine: Any, token
     assert engine.model_config.kv_dtype == torch.float16 and engine.settings.kv_cache_dtype == "float16"
     model = engine.worker.model
     ops = load_cpu_ops()
-    packed = "q4q8" if ops is not None and ops.q4_linear_vnni() else "int4"  # q4q8: Q4 blocks x int8 activations
+    packed = "q4q8" if ops is not None and ops.q4_linear_isa() else "int4"  # q4q8: Q4 blocks x int8 activations
     assert {linear_form(m) for m in model.modules() if isinstance(m, LinearBase)} == {packed}
     if ops is not None:
         head = model.logits_processor
@@ -125,7 +125,7 @@ def test_an_engine_with_no_flags_serves_the_default_mode(make_engine: Any, token
         # ... and, beside q4q8 linears, with the same 16-bit fixed-point activations, keeping
         # only those records (an unquantized model keeps float32 activations:
         # tests/test_prompt_logprobs.py compares with HF)
-        assert (head.q8_vnni is not None) == ops.q4_linear_vnni() == (head.q8 is None)
+        assert (head.q8_vnni is not None) == bool(ops.q4_linear_isa()) == (head.q8 is None)
     out = engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
     assert "Paris" in out["text"], out["text"]
     assert_all_memory_free(engine)
@@ -139,7 +139,7 @@ def test_the_fused_decode_stack_gives_every_decode_step_the_module_paths_bits(ma
     engine = make_engine(dtype="auto", quantization="auto", max_running_requests=8, enable_deterministic_inference=deterministic)
     model, runner = engine.worker.model, engine.worker
     ops = load_cpu_ops()
-    if ops is None or not ops.q4_linear_vnni():  # no q4q8 linears: the module path only
+    if ops is None or not ops.q4_linear_isa():  # no q4q8 linears: the module path only
         assert model.model.decode_stack is None
         return
     real_stack, ran = model.model.decode_stack, []

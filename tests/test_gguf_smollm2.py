@@ -68,7 +68,7 @@ def test_gguf_model_agrees_with_float32_teacher_forced(model_dir: Path, tokenize
 def test_engine_with_gguf_quantization_generates_greedy_text(dtype: str, make_module_engine: Any, tokenizer: Any) -> None:
     engine = make_module_engine(quantization="gguf", dtype=dtype)
     ops = load_cpu_ops()  # with the kernels on a VNNI CPU the Q4_1 layers run q4q8, else torch's int4
-    packed = "q4q8" if ops is not None and ops.q4_linear_vnni() else "int4"
+    packed = "q4q8" if ops is not None and ops.q4_linear_isa() else "int4"
     assert {linear_form(m) for m in engine.worker.model.modules() if isinstance(m, LinearBase)} == {packed}
     greedy = {"max_new_tokens": 8, "temperature": 0}
     out = engine.generate("The capital of France is", greedy)

@@ -1,16 +1,19 @@
 """Q4 blocks x int8 activations (kernels/cpu/q4_linear.cpp, runtime/layers/quantization/q4q8.py):
-a GGUF's Q4_0/Q4_1 linear layers as the engine runs them on an AVX512-VNNI CPU.
+a GGUF's Q4_0/Q4_1 linear layers as the engine runs them on an AVX512-VNNI or AVX2 CPU.
 
 What the kernel computes is fixed exactly: the file's weights `d * q + m` (fp16 d and m,
 kept as they are) against each activation row rounded per 32 columns to the 16-bit
 fixed point `u * (256 a + b)` (two int8 planes). Against that reference, in float64, the
 kernel differs only by float32 accumulation (measured <= 2.2e-6 of the output's largest
 value); against the float matmul the activation rounding adds ~6e-5 (bfloat16
-activations: ~4e-3). Without VNNI the same arithmetic runs lane by lane, so these tests
-hold on any CPU; only the engine's choice of the form depends on the flag.
+activations: ~4e-3). AVX2 computes the same integers with other instructions and the same
+float steps (the same bits), and a CPU with neither runs it lane by lane, so these tests
+hold on any CPU; only the engine's choice of the form depends on the flags.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +80,17 @@ def test_a_row_gets_the_same_bits_alone_and_anywhere_in_any_batch(cpu_ops: CpuOp
         assert torch.equal(cpu_ops.q4_linear(batch, records)[at], alone), (rows, at)
 
 
+def test_the_kernel_runs_on_the_best_integer_products_the_cpu_flags_offer(cpu_ops: CpuOps) -> None:
+    """The build is -march=native: AVX512-VNNI's vpdpbusd where the CPU has it, else AVX2's
+    vpmaddubsw / vpmaddwd (AMD Zen 2, Intel before Ice Lake), else the scalar loop, which the
+    engine does not pick (gguf falls back to torch's int4 kernel there)."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo to read the CPU flags from")
+    expected = "avx512-vnni" if {"avx512f", "avx512bw", "avx512_vnni"} <= flags else "avx2" if {"avx2", "fma", "f16c"} <= flags else ""
+    assert cpu_ops.q4_linear_isa() == expected
+
+
 def test_zero_rows_and_zero_blocks_give_exact_zeros_plus_the_min_term(cpu_ops: CpuOps) -> None:
     q, d, m = random_blocks(16, 64)
     x = torch.zeros(2, 64)
@@ -93,9 +107,10 @@ def test_a_gguf_layer_packs_the_files_blocks_exactly_and_computes_with_them(cpu_
     torch.manual_seed(7)
     weight = gguf_weight(torch.randn(192, 576) * 0.02, kind)
     layer = gguf_layer((RowParallelLinear if row else ColumnParallelLinear)(576, 192), {None: weight}, cpu_ops)
-    # The engine takes this form exactly where the CPU has AVX512-VNNI; elsewhere torch's int4.
-    assert linear_form(layer) == ("q4q8" if cpu_ops.q4_linear_vnni() else "int4")
-    if not cpu_ops.q4_linear_vnni():
+    # The engine takes this form exactly where the kernels run Q4 blocks (AVX512-VNNI or AVX2);
+    # elsewhere torch's int4.
+    assert linear_form(layer) == ("q4q8" if cpu_ops.q4_linear_isa() else "int4")
+    if not cpu_ops.q4_linear_isa():
         return
     method = layer.quant_method
     assert isinstance(method, Q4Q8LinearMethod) and "weight" not in layer._parameters

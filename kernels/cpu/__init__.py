@@ -9,7 +9,7 @@ One extension, `sluice_cpu_ops`, from every .cpp in this directory:
   fused_ops.cpp     RMSNorm (+ residual add), RoPE in place, SiLU·mul, the KV write:
                     a decoder layer's row-wise ops in one pass each
   q8_linear.cpp     float32 x int8-block matmul (the GGUF's Q8_0 LM head)
-  q4_linear.cpp     Q4-block weights x int8-block activations on AVX512-VNNI (gguf linears)
+  q4_linear.cpp     Q4-block weights x int8-block activations on AVX512-VNNI or AVX2 (gguf linears)
   decode_stack.cpp  a decode batch's decoder layers in one call, from the kernels above
   cpu_common.h      the vector ISA at::vec compiles for; K/V row widening
   spin_pool.h       the kernels' threads: they spin between the calls of a step, where
@@ -74,7 +74,7 @@ class CpuOps(Protocol):
 
     def q8_linear(self, x: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor) -> torch.Tensor: ...
 
-    def q4_linear_vnni(self) -> bool: ...
+    def q4_linear_isa(self) -> str: ...
 
     def q4_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor: ...
 

@@ -22,7 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "logits.argmax(-1) of float32 rows (first maximum; NaN wins)");
   m.def("store_kv", &store_kv, "k_buf[loc] = k, v_buf[loc] = v (cast to the buffers' dtype); round_src: k, v = what they hold",
         py::arg("k_buf"), py::arg("v_buf"), py::arg("loc"), py::arg("k"), py::arg("v"), py::arg("round_src") = false);
-  m.def("q4_linear_vnni", &q4_linear_vnni, "q4_linear runs on AVX512-VNNI (else a scalar loop)");
+  m.def("q4_linear_isa", &q4_linear_isa, "what q4_linear runs on: avx512-vnni, avx2, or empty (a scalar loop)");
   m.def("q4_linear", &q4_linear, "x @ W.T with W in Q4 blocks, x in int8 blocks of 32", release_gil());
   m.def("q8_linear_vnni", &q8_linear_vnni, "x @ W.T with W in Q8 blocks (pack_q8_vnni), x in int8 blocks of 32",
         release_gil());

@@ -17,7 +17,7 @@ void store_kv(at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc, at::Tensor k, 
 at::Tensor cast(at::Tensor x, at::ScalarType dtype);
 at::Tensor argmax_rows(at::Tensor logits);
 at::Tensor q8_linear(at::Tensor x, at::Tensor qw, at::Tensor scales);
-bool q4_linear_vnni();
+std::string q4_linear_isa();
 at::Tensor q4_linear(at::Tensor x, at::Tensor packed);
 at::Tensor q8_linear_vnni(at::Tensor x, at::Tensor packed);
 const std::vector<std::string>& bf16_linear_isas();

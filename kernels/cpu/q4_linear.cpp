@@ -47,11 +47,15 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <string>
 
 #include "spin_pool.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define Q4_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define Q4_AVX2 1
 #endif
 
 namespace {
@@ -62,7 +66,12 @@ constexpr int64_t kRecord = 320;  // bytes per (block, group): 256 of codes, 32 
 constexpr int64_t kRecord8 = 576;  // Q8: 512 of codes (q + 128), 64 of d (float32); m = -128 d is not stored
 constexpr int64_t kPrefetchAhead = 4096;  // one page: past where the hardware streamer stops
 
-constexpr int64_t kTileRows = 8;  // rows of x a block_tile takes at most (24 of 32 zmm hold its sums)
+constexpr int64_t kTileRows = 8;
+#if defined(Q4_AVX2)
+constexpr bool kWideQ8 = true;  // the Q8 records' AVX2 path reads x16 (q8_dots)
+#else
+constexpr bool kWideQ8 = false;
+#endif  // rows of x a block_tile takes at most (24 of 32 zmm hold its sums)
 
 // x as two int8 planes a, b, laid out for the tiles. Tile t holds rows 8t .. 8t + h - 1
 // (h = 8, or what is left of M in the last tile); its group g, column quad c (columns
@@ -76,6 +85,8 @@ struct QuantRows {
   std::unique_ptr<int8_t[]> x;
   std::unique_ptr<float[]> u, usum;
   int64_t M, G;
+  // The same values as int16 256 a + b, row-major [M, K] (the Q8 records' AVX2 form only).
+  std::unique_ptr<int16_t[]> x16;
   int64_t height(int64_t row) const { return std::min(kTileRows, M - row / kTileRows * kTileRows); }
   int64_t at(int64_t row, int64_t g) const {  // u[at], usum[at]
     return row / kTileRows * kTileRows * G + g * height(row) + row % kTileRows;
@@ -126,10 +137,11 @@ inline float quantize_group(const float* v, int8_t* a, int8_t* b, float& usum) {
   return u;
 }
 
-QuantRows quantize_rows(const float* x, int64_t M, int64_t K) {
+QuantRows quantize_rows(const float* x, int64_t M, int64_t K, bool wide) {
   const int64_t G = K / kGroup;
   QuantRows q{std::unique_ptr<int8_t[]>(new int8_t[M * G * 64]), std::unique_ptr<float[]>(new float[M * G]),
-              std::unique_ptr<float[]>(new float[M * G]), M, G};
+              std::unique_ptr<float[]>(new float[M * G]), M, G,
+              std::unique_ptr<int16_t[]>(wide ? new int16_t[M * K] : nullptr)};
   sluice::parallel_for(M * G, 64, [&](int64_t begin, int64_t end) {
     int8_t a[kGroup], b[kGroup];
     for (int64_t i = begin; i < end; ++i) {
@@ -141,6 +153,7 @@ QuantRows quantize_rows(const float* x, int64_t M, int64_t K) {
         std::memcpy(dst + 8 * h * c, a + 4 * c, 4);
         std::memcpy(dst + 8 * h * c + 4, b + 4 * c, 4);
       }
+      for (int64_t t = 0; wide && t < kGroup; ++t) q.x16[row * K + g * kGroup + t] = static_cast<int16_t>(256 * a[t] + b[t]);
     }
   });
   return q;
@@ -203,9 +216,118 @@ inline void block_tile(const QuantRows& q, int64_t tile, const uint8_t* rec, flo
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (tile * kTileRows + r) * N, acc[r]);
 }
+#elif defined(Q4_AVX2)
+// AVX2 without VNNI (e.g. AMD Zen 2): the same integer dot products from vpmaddubsw, which
+// multiplies 32 unsigned codes by 32 signed int8 values and adds each 2 products into an
+// int16 lane. With 4-bit codes a lane holds at most 2 * 15 * 128 = 3840 in size, so a
+// group's 8 column quads sum in int16 without saturating (30720 < 32767); one vpmaddwd by
+// ones then adds a row's two int16 lanes into its int32 lane: vpdpbusd's exact sum. Q8
+// codes: q8_dots below.
+// The float steps are the VNNI path's, 8 lanes at a time, so the output has the same bits.
+// A record's 16 output rows are two halves of 8 (bytes [32h, 32h + 32) of each 64).
+
+inline __m256i bcast4(const int8_t* x4) {
+  int32_t v;
+  std::memcpy(&v, x4, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// One half's 8 rows against one x row, over a group: da, db (int32 lanes) = nib . a, nib . b
+// where nib[k] holds the 8 rows' 4 codes (0..15) of column quad k, and the row's quad k
+// sits at x + 8 R k (a's 4 codes, then b's).
+template <int R>
+inline void dots8(const __m256i* nib, const int8_t* x, __m256i& da, __m256i& db) {
+  __m256i sa = _mm256_setzero_si256(), sb = _mm256_setzero_si256();
+  for (int k = 0; k < 8; ++k) {
+    sa = _mm256_add_epi16(sa, _mm256_maddubs_epi16(nib[k], bcast4(x + 8 * R * k)));
+    sb = _mm256_add_epi16(sb, _mm256_maddubs_epi16(nib[k], bcast4(x + 8 * R * k + 4)));
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  da = _mm256_madd_epi16(sa, ones);
+  db = _mm256_madd_epi16(sb, ones);
+}
+
+// Q8 records: codes u = q + 128 (up to 255) would saturate vpmaddubsw's int16 sums, so they
+// are widened to int16 and multiplied by the row's 16-bit fixed point x16 = 256 a + b
+// (|x16| <= 32640) with vpmaddwd: 32-bit lane 2i + e of a vector holds row i's products
+// with columns 4k + 2e, 4k + 2e + 1 (4 rows a vector). A group's 8 quads sum in int32
+// (16 products of at most 255 * 32640 a lane), and the two lanes of a row add up to
+// c = u . (256 a + b) = 256 (u . a) + u . b, vpdpbusd's c exactly.
+// c[r] = row (row0 + r)'s c with the half's 8 rows (codes: the group's record + 32 h), rows
+// taken 4 at a time: 2 sums a row, 2 code vectors and a broadcast stay in registers.
+template <int R>
+inline void q8_dots(const QuantRows& q, int64_t row0, int64_t g, const uint8_t* codes, __m256i* c) {
+  if constexpr (R > 4) {
+    q8_dots<4>(q, row0, g, codes, c);
+    q8_dots<R - 4>(q, row0 + 4, g, codes, c + 4);
+  } else {
+    const int64_t K = q.G * kGroup;
+    const int16_t* xg = q.x16.get() + row0 * K + g * kGroup;
+    __m256i lanes[R][2];
+    for (int r = 0; r < R; ++r) lanes[r][0] = lanes[r][1] = _mm256_setzero_si256();
+    for (int k = 0; k < 8; ++k, codes += 64) {
+      const __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+      const __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16)));
+      for (int r = 0; r < R; ++r) {
+        int64_t x4;
+        std::memcpy(&x4, xg + r * K + 4 * k, 8);
+        const __m256i xb = _mm256_set1_epi64x(x4);
+        lanes[r][0] = _mm256_add_epi32(lanes[r][0], _mm256_madd_epi16(w0, xb));
+        lanes[r][1] = _mm256_add_epi32(lanes[r][1], _mm256_madd_epi16(w1, xb));
+      }
+    }
+    // hadd: [r0 r1 r4 r5 | r2 r3 r6 r7] of the half's rows -> in order
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    for (int r = 0; r < R; ++r) c[r] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(lanes[r][0], lanes[r][1]), order);
+  }
+}
+
+template <int R, bool Q8>
+inline void block_tile(const QuantRows& q, int64_t tile, const uint8_t* rec, float* y, int64_t N, bool prefetch) {
+  constexpr int64_t record = Q8 ? kRecord8 : kRecord;
+  const int64_t G = q.G;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const int8_t* xg = q.x.get() + q.quads(tile * kTileRows, 0);
+  const float* ug = q.u.get() + q.at(tile * kTileRows, 0);
+  const float* sg = q.usum.get() + q.at(tile * kTileRows, 0);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g, rec += record, xg += 64 * R, ug += R, sg += R) {
+    for (int64_t l = 0; prefetch && l < record; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchAhead + l), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      __m256i c[R];  // c = 256 (codes . a) + codes . b, each row's 8 lanes
+      if constexpr (Q8) {
+        q8_dots<R>(q, tile * kTileRows, g, rec + 32 * h, c);
+      } else {
+        __m256i nib[8];
+        for (int c = 0; c < 4; ++c) {  // low nibbles are quad 2c, high nibbles quad 2c + 1
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * c + 32 * h));
+          nib[2 * c] = _mm256_and_si256(raw, low);
+          nib[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        }
+        for (int r = 0; r < R; ++r) {
+          __m256i dot_a, dot_b;
+          dots8<R>(nib, xg + 8 * r, dot_a, dot_b);
+          c[r] = _mm256_add_epi32(_mm256_slli_epi32(dot_a, 8), dot_b);
+        }
+      }
+      const __m256 d = Q8 ? _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 512) + 8 * h)
+                          : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256) + h));
+      const __m256 m = Q8 ? _mm256_mul_ps(d, _mm256_set1_ps(-128.f))  // exact: a power of two
+                          : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 288) + h));
+      for (int r = 0; r < R; ++r) {
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[r]), _mm256_mul_ps(d, _mm256_set1_ps(ug[r])), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sg[r]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (tile * kTileRows + r) * N + 8 * h, acc[r][h]);
+}
 #else
-// The same arithmetic lane by lane (a build without AVX512-VNNI; callers prefer torch's
-// int4 kernel there, see q4_linear_vnni).
+// The same arithmetic lane by lane (a build without AVX2 or AVX512-VNNI; callers prefer
+// torch's int4 kernel there, see q4_linear_isa).
 template <int R, bool Q8>
 inline void block_tile(const QuantRows& q, int64_t tile, const uint8_t* rec, float* y, int64_t N, bool) {
   const int64_t G = q.G;
@@ -250,11 +372,13 @@ inline void block_tile(const QuantRows& q, int64_t tile, const uint8_t* rec, flo
 
 }  // namespace
 
-bool q4_linear_vnni() {
+std::string q4_linear_isa() {
 #if defined(Q4_VNNI)
-  return true;
+  return "avx512-vnni";
+#elif defined(Q4_AVX2)
+  return "avx2";
 #else
-  return false;
+  return "";
 #endif
 }
 
@@ -271,7 +395,7 @@ at::Tensor block_linear(at::Tensor x, at::Tensor packed) {
   TORCH_CHECK(packed.size(1) * kGroup == K, "packed's K must be x's");
   x = x.contiguous();
   auto y = at::empty({M, N}, x.options());
-  const QuantRows q = quantize_rows(x.data_ptr<float>(), M, K);
+  const QuantRows q = quantize_rows(x.data_ptr<float>(), M, K, Q8 && kWideQ8);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   // Each thread takes whole 16-row blocks; within one, tiles of 8 rows re-read its records

@@ -22,7 +22,7 @@ class LogitsProcessor(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         # Set by runtime.models.cpu_path: the head as exact Q8 blocks and the kernel that
-        # reads them (float activations, or on AVX512-VNNI 16-bit fixed-point ones as the
+        # reads them (float activations, or on AVX512-VNNI / AVX2 16-bit fixed-point ones as the
         # q4q8 linears; per-row order, so batch-invariant too); or fixed row blocks.
         self.ops: CpuOps | None = None
         self.q8: Q8Weight | None = None

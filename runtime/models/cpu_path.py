@@ -52,7 +52,7 @@ def bind_cpu_ops(model: nn.Module, ops: CpuOps) -> dict[str, int]:
             # A quantized model's head takes the blocks x 16-bit fixed-point activations too
             # (q4q8.py's way, 2.4x faster); an unquantized one keeps float32 activations, whose
             # logprobs equal the float32 model's to 1e-5 (tests compare them with HF).
-            # (q4q8 layers exist only where the CPU has VNNI)
+            # (q4q8 layers exist only where the kernels run Q4 blocks: AVX512-VNNI or AVX2)
             if any(isinstance(layer.quant_method, Q4Q8LinearMethod) for layer in linear_layers(model)):
                 processor.q8_vnni = pack_q8_vnni(q8)
             else:

@@ -7,7 +7,7 @@ as `GgufWeight`s, unread. After loading it decodes them straight into torch's in
 layout (gguf_blocks.py) and hands the layer to the method that computes with it:
 
     all parts Q4_0/Q4_1          -> Q4Q8LinearMethod where the CPU kernels are bound and
-                                    the CPU has AVX512-VNNI (the file's blocks as they
+                                    the CPU has AVX512-VNNI or AVX2 (the file's blocks as they
                                     are, 16-bit fixed-point activations: q4q8.py), else
                                     Int4LinearMethod, group 32 (one plane)
     any part Q8_0, rest Q4/Q8    -> Int4PlanesLinearMethod, two planes (Q4 parts' second
@@ -120,11 +120,11 @@ def _with_planes(planes: Int4Planes, count: int) -> Int4Planes:
 class GgufLinearMethod(UnquantizedLinearMethod):
     """The loader of one layer (see the module docstring). `dtype` and `device` are the
     model's: a float fallback weight is built in them. `ops`: the CPU kernels, when
-    bound (their q4_linear takes Q4 layers on a VNNI CPU)."""
+    bound (their q4_linear takes Q4 layers on a VNNI or AVX2 CPU)."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device, ops: CpuOps | None = None) -> None:
         self.dtype, self.device = dtype, device
-        self.q4_ops = ops if ops is not None and ops.q4_linear_vnni() and device.type == "cpu" else None
+        self.q4_ops = ops if ops is not None and ops.q4_linear_isa() and device.type == "cpu" else None
         self.parts: list[tuple[int, LazyWeight | torch.Tensor]] = []  # (first output row, rows)
 
     def create_weights(self, layer: LinearBase, input_size_per_partition: int, output_size_per_partition: int) -> None:

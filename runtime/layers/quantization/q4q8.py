@@ -1,4 +1,4 @@
-"""Q4 blocks x 16-bit fixed-point activations: a GGUF's Q4_0/Q4_1 linears on AVX512-VNNI.
+"""Q4 blocks x 16-bit fixed-point activations: a GGUF's Q4_0/Q4_1 linears on AVX512-VNNI or AVX2.
 
 In sluice's kernel (kernels/cpu/q4_linear.cpp) the weight stays the file's blocks (per
 row and 32 input columns, `w = d * q + m`, q in [0, 15], d and m fp16, so the packed
@@ -11,7 +11,8 @@ with float32 on every teacher-forced token measured (bench/RESULTS.md item 17), 
 one int8 plane (llama.cpp's Q8_1 activations) lost 4 points.
 
 At a few rows the step reads 4.5 bits a weight (memory-bound where torch's int4
-kernel is compute-bound); at 16 rows the kernel runs at the VNNI units' rate. For
+kernel is compute-bound); at 16 rows the kernel runs at the integer units' rate (VNNI's
+vpdpbusd, or AVX2's vpmaddubsw: the same integers, the same bits). For
 big batches (prefill) a layer also keeps a bfloat16 copy, as the int4 path does
 (int4.dense_matmul), from DENSE_MIN_ROWS rows on: as the kernels' bf16_linear tiles
 (AMX or AVX512-BF16), with float32 sums and output.
