@@ -71,22 +71,28 @@ inline void sum8_lanes(V* a) {
     for (int64_t r = 0; r < w; ++r) a[r] = a[r] + a[r + w];
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(SLUICE_V16)
 // The score tree for 16 positions at once: the additions above, of the same operands
 // (so the same bits: IEEE addition is commutative), done across vectors. `a_p` is
-// position p's 16 channel lanes.
+// position p's 16 channel lanes; the three steps below, composed as
+//   tree16(quad4(pair2(a_p0, a_p1), pair2(a_p2, a_p3)), ... for p = 0..15)
+// give the 16 scores in position order.
+#if defined(CPU_CAPABILITY_AVX512)
 //   pair2:  [a_p0 | a_p1] halves        -> x[r] = a_p0[r] + a_p0[r+8], x[8+r] = a_p1[r] + a_p1[r+8]
 //   quad4:  two pair2 results (p0..p3)  -> 128-bit lane i = position p_i's four (+4) sums
 //   tree16: four quad4 results          -> lane i (position i) = its score, in position order
-inline __m512 pair2(__m512 a0, __m512 a1) {
+using Pair = __m512;
+using Quad = __m512;
+
+inline Pair pair2(V16 a0, V16 a1) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xee));
 }
 
-inline __m512 quad4(__m512 x01, __m512 x23) {
+inline Quad quad4(Pair x01, Pair x23) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xdd));
 }
 
-inline __m512 tree16(const __m512* z) {
+inline V16 tree16(const Quad* z) {
   // (+2): within each 128-bit lane, [z0 c0, z0 c1, z1 c0, z1 c1] of z0[r] + z0[r+2] ...
   const __m512 v01 = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x44), _mm512_shuffle_ps(z[0], z[1], 0xee));
   const __m512 v23 = _mm512_add_ps(_mm512_shuffle_ps(z[2], z[3], 0x44), _mm512_shuffle_ps(z[2], z[3], 0xee));
@@ -95,6 +101,30 @@ inline __m512 tree16(const __m512* z) {
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, e);
 }
+#else  // AVX2: a position's lanes are two ymm, lo = lanes 0..7, hi = 8..15
+//   pair2:  (+8) lo + hi, then (+4) across 128-bit lanes -> 128-bit lane i = position p_i's four sums
+//   quad4:  (+2) within 128-bit lanes -> lane 0: p0's two sums, p2's two; lane 1: p1's, p3's
+//   tree16: (+1) -> positions 0, 2, 4, 6 | 1, 3, 5, 7 of each 8, put in order
+using Pair = __m256;
+using Quad = __m256;
+
+inline Pair pair2(V16 a0, V16 a1) {
+  const __m256 x0 = _mm256_add_ps(a0.lo, a0.hi), x1 = _mm256_add_ps(a1.lo, a1.hi);
+  return _mm256_add_ps(_mm256_permute2f128_ps(x0, x1, 0x20), _mm256_permute2f128_ps(x0, x1, 0x31));
+}
+
+inline Quad quad4(Pair x01, Pair x23) {
+  return _mm256_add_ps(_mm256_shuffle_ps(x01, x23, 0x44), _mm256_shuffle_ps(x01, x23, 0xee));
+}
+
+inline V16 tree16(const Quad* z) {
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  auto eight = [&](Quad a, Quad b) {  // positions 0..3 in a, 4..7 in b
+    return _mm256_permutevar8x32_ps(_mm256_add_ps(_mm256_shuffle_ps(a, b, 0x88), _mm256_shuffle_ps(a, b, 0xdd)), order);
+  };
+  return {eight(z[0], z[1]), eight(z[2], z[3])};
+}
+#endif
 
 constexpr int64_t kSpanVecs = 16;  // G * D / 16 sums in registers (SmolLM2: 3 * 4)
 constexpr int64_t kSpanAhead = 8;  // positions ahead whose K / V rows are prefetched
@@ -103,7 +133,7 @@ constexpr int64_t kSpanAhead = 8;  // positions ahead whose K / V rows are prefe
 // kSpanAhead positions on (a sequence's slots are anywhere in the pool).
 template <typename KT>
 __attribute__((always_inline)) inline void load_row(const KT* buf, const int64_t* idx, int64_t t, int64_t len, int64_t row,
-                                                    int64_t off, int64_t dv, __m512* out) {
+                                                    int64_t off, int64_t dv, V16* out) {
   if (t + kSpanAhead < len) prefetch_row(buf + idx[t + kSpanAhead] * row + off, dv * 16 * sizeof(KT));
   const KT* r = buf + idx[t] * row + off;
   for (int64_t j = 0; j < dv; ++j) out[j] = load16(r + 16 * j);
@@ -121,28 +151,29 @@ void attend_span(const float* qf, const KT* kp, const KT* vp, const int64_t* idx
                  int64_t h, int64_t G_, int64_t D, std::vector<float>& scores, float* part) {
   const int64_t G = kG > 0 ? kG : G_, dv = kDV > 0 ? kDV : D / 16, len = t1 - t0;
   if (static_cast<int64_t>(scores.size()) < G * len) scores.resize(G * len);
-  __m512 qv[kSpanVecs];
-  for (int64_t j = 0; j < G * dv; ++j) qv[j] = _mm512_loadu_ps(qf + 16 * j);
+  V16 qv[kSpanVecs];
+  for (int64_t j = 0; j < G * dv; ++j) qv[j] = v16_loadu(qf + 16 * j);
   // Pass 1: scores[g * len + t] = q_g . k_t, 16 positions at a time: each position's
   // lane vectors as before, their trees side by side (pair2, quad4, tree16). Positions
   // past len score a zero row; their lanes are not stored.
   constexpr int64_t kZ = kG > 0 ? kG : kSpanVecs;
-  auto lanes = [&](int64_t t, __m512* acc) {  // acc[g] = q_g's fma chains against k_t
-    __m512 kv[kSpanVecs];
+  auto lanes = [&](int64_t t, V16* acc) {  // acc[g] = q_g's fma chains against k_t
+    V16 kv[kSpanVecs];
     if (t < len) {
       load_row(kp, idx + t0, t, len, row, h * D, dv, kv);
     } else {
-      for (int64_t j = 0; j < dv; ++j) kv[j] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < dv; ++j) kv[j] = v16_zero();
     }
     for (int64_t g = 0; g < G; ++g) {
-      acc[g] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < dv; ++j) acc[g] = _mm512_fmadd_ps(qv[g * dv + j], kv[j], acc[g]);
+      acc[g] = v16_zero();
+      for (int64_t j = 0; j < dv; ++j) acc[g] = v16_fma(qv[g * dv + j], kv[j], acc[g]);
     }
   };
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
-    __m512 z[kZ][4];
+    Quad z[kZ][4];
     for (int64_t s = 0; s < 4; ++s) {
-      __m512 x01[kZ], a0[kZ], a1[kZ];
+      Pair x01[kZ];
+      V16 a0[kZ], a1[kZ];
       const int64_t t = p0 + 4 * s;
       lanes(t, a0);
       lanes(t + 1, a1);
@@ -151,8 +182,7 @@ void attend_span(const float* qf, const KT* kp, const KT* vp, const int64_t* idx
       lanes(t + 3, a1);
       for (int64_t g = 0; g < G; ++g) z[g][s] = quad4(x01[g], pair2(a0[g], a1[g]));
     }
-    const __mmask16 live = len - p0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (len - p0)) - 1);
-    for (int64_t g = 0; g < G; ++g) _mm512_mask_storeu_ps(scores.data() + g * len + p0, live, tree16(z[g]));
+    for (int64_t g = 0; g < G; ++g) v16_store_first(scores.data() + g * len + p0, tree16(z[g]), len - p0);
   }
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores.data() + g * len;
@@ -161,18 +191,18 @@ void attend_span(const float* qf, const KT* kp, const KT* vp, const int64_t* idx
     part[g * (D + 2) + 1] = exp_and_sum(sg, len, m);
   }
   // Pass 2: the e-weighted sum of V rows, every head's sums in registers.
-  __m512 acc[kSpanVecs];
-  for (int64_t j = 0; j < G * dv; ++j) acc[j] = _mm512_setzero_ps();
+  V16 acc[kSpanVecs];
+  for (int64_t j = 0; j < G * dv; ++j) acc[j] = v16_zero();
   for (int64_t t = 0; t < len; ++t) {
-    __m512 vv[kSpanVecs];
+    V16 vv[kSpanVecs];
     load_row(vp, idx + t0, t, len, row, h * D, dv, vv);
     for (int64_t g = 0; g < G; ++g) {
-      const __m512 e = _mm512_set1_ps(scores[g * len + t]);
-      for (int64_t j = 0; j < dv; ++j) acc[g * dv + j] = _mm512_fmadd_ps(e, vv[j], acc[g * dv + j]);
+      const V16 e = v16_set1(scores[g * len + t]);
+      for (int64_t j = 0; j < dv; ++j) acc[g * dv + j] = v16_fma(e, vv[j], acc[g * dv + j]);
     }
   }
   for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < dv; ++j) _mm512_storeu_ps(part + g * (D + 2) + 2 + 16 * j, acc[g * dv + j]);
+    for (int64_t j = 0; j < dv; ++j) v16_storeu(part + g * (D + 2) + 2 + 16 * j, acc[g * dv + j]);
 }
 
 // attend_span with G and D / 16 fixed at compile time where a known model's heads allow:

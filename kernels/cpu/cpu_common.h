@@ -12,25 +12,67 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <cstdint>
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
+#define SLUICE_V16 1  // V16 below: the attention kernels' fast paths
 #endif
 
 namespace sluice {
 
+// V16: 16 floats, the attention kernels' unit (a score's 16 channel lanes, 16 positions'
+// scores): one zmm with AVX-512, two ymm with AVX2 (lanes 0..7 and 8..15), and the few
+// operations those kernels need, lane for lane the same arithmetic on either ISA.
 #if defined(CPU_CAPABILITY_AVX512)
+using V16 = __m512;
+inline V16 v16_zero() { return _mm512_setzero_ps(); }
+inline V16 v16_set1(float x) { return _mm512_set1_ps(x); }
+inline V16 v16_loadu(const float* p) { return _mm512_loadu_ps(p); }
+inline void v16_storeu(float* p, V16 v) { _mm512_storeu_ps(p, v); }
+inline V16 v16_fma(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }
+inline void v16_store_first(float* p, V16 v, int64_t n) {  // lanes [0, min(n, 16))
+  _mm512_mask_storeu_ps(p, n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1), v);
+}
+
 // 16 K/V values widened to float in one vector.
 template <typename KT>
-inline __m512 load16(const KT* p);
+inline V16 load16(const KT* p);
 template <>
-inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+inline V16 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
 template <>
-inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {  // the high half of a float
+inline V16 load16<at::BFloat16>(const at::BFloat16* p) {  // the high half of a float
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 template <>
-inline __m512 load16<at::Half>(const at::Half* p) {
+inline V16 load16<at::Half>(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+struct V16 {
+  __m256 lo, hi;  // lanes 0..7, 8..15
+};
+inline V16 v16_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 v16_set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V16 v16_loadu(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void v16_storeu(float* p, V16 v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline V16 v16_fma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline void v16_store_first(float* p, V16 v, int64_t n) {
+  if (n >= 16) return v16_storeu(p, v);
+  float lanes[16];
+  v16_storeu(lanes, v);
+  for (int64_t j = 0; j < n; ++j) p[j] = lanes[j];
+}
+
+inline __m256 widen8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 widen8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+template <typename KT>
+inline V16 load16(const KT* p) {
+  return {widen8(p), widen8(p + 8)};
 }
 #endif
 
@@ -42,13 +84,13 @@ inline void to_float(const KT* src, float* dst, int64_t n) {
   for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(SLUICE_V16)
 // float16: GCC leaves the loop above scalar (one vcvtph2ps a value: half of the
 // deterministic attention's time on an AMD EPYC at 16 x 512 positions).
 template <>
 inline void to_float<at::Half>(const at::Half* src, float* dst, int64_t n) {
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(dst + j, load16(src + j));
+  for (; j + 16 <= n; j += 16) v16_storeu(dst + j, load16(src + j));
   for (; j < n; ++j) dst[j] = static_cast<float>(src[j]);
 }
 #endif

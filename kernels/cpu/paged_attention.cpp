@@ -24,7 +24,7 @@
 // decode step: one query per block), each with all kv heads, or, where there are fewer
 // blocks than threads (a lone sequence's decode), each kv head of a block on its own:
 // the per-query arithmetic is the same either way, only which thread does it changes.
-// A block of one query (AVX-512) reads its K and V rows in place (attend_span). A longer
+// A block of one query (AVX-512 or AVX2) reads its K and V rows in place (attend_span). A longer
 // block goes in tiles of 16 positions: the tile's K rows (the item's kv heads) are
 // widened and transposed once ([heads][D][16]) and serve every query and head of the
 // item, a score's 16 channel lanes being 16 vectors over the tile's positions.
@@ -213,7 +213,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
       for (int64_t j = 0; j < nq; ++j)
         for (int64_t c = 0; c < hgn * D; ++c)
           qf[j * hgn * D + c] = static_cast<float>(qp[((first + j) * Hq + h0 * G) * D + c]) * fscale;
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(SLUICE_V16)
       // One query (a decode): its K and V rows read once each, as rows, no tile.
       if constexpr (!std::is_same_v<KT, double>) {
         if (nq == 1 && shared_at[w] < 0 && G * (D / 16) <= sluice::kSpanVecs) {

@@ -7,7 +7,7 @@
 // kv_idx: [n, max_len] int64  slot of each position (only the first lens[i] are read)
 // lens:   [n] int64           out: [n, Hq, D] (q's dtype)
 //
-// AVX-512 path (D a multiple of 16): one work item is one sequence, one kv head and one
+// Vector path (AVX-512 or AVX2, D a multiple of 16): one work item is one sequence, one kv head and one
 // span of its positions; the G = Hq / Hkv query heads that share the kv head are scored
 // together, so each K and V row is read once, as D / 16 vectors, straight from the pool.
 // A sequence's positions are split into spans only when there are fewer (sequence, kv
@@ -19,9 +19,6 @@
 // formula.
 #include "attention_span.h"
 #include "cpu_common.h"
-#if defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
 #include "spin_pool.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -105,13 +102,13 @@ static void decode_kernel(const Decode<T, KT>& a) {
   });
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(SLUICE_V16)
 namespace {
 
 constexpr int64_t kMinSpan = 32;  // positions a span is worth splitting for
 
 template <typename T, typename KT>
-void decode_avx512(const Decode<T, KT>& a) {
+void decode_spans(const Decode<T, KT>& a) {
   const auto [n, Hq, D, Hkv, G, max_len, row, qp, kp, vp, ip, lp, op, fscale] = a;
   int64_t longest = 0;
   for (int64_t i = 0; i < n; ++i) longest = std::max(longest, lp[i]);
@@ -160,13 +157,13 @@ void decode_avx512(const Decode<T, KT>& a) {
 }  // namespace
 #endif
 
-// The AVX-512 kernel where its registers fit the heads (and the values are not float64),
-// else the plain loop.
+// The vector kernel (AVX-512 or AVX2) where its registers fit the heads (and the values
+// are not float64), else the plain loop.
 template <typename T, typename KT>
 void decode(const Decode<T, KT>& a) {
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(SLUICE_V16)
   if constexpr (!std::is_same_v<KT, double>) {
-    if (a.D % 16 == 0 && a.G * (a.D / 16) <= sluice::kSpanVecs) return decode_avx512(a);
+    if (a.D % 16 == 0 && a.G * (a.D / 16) <= sluice::kSpanVecs) return decode_spans(a);
   }
 #endif
   decode_kernel(a);
