@@ -21,7 +21,9 @@ import torch
 from kernels.cpu import CpuOps
 from runtime.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from runtime.layers.quantization import linear_form
-from runtime.layers.quantization.q4q8 import DENSE_MIN_ROWS, Q4Q8LinearMethod, pack_q4, unpack_q4
+from runtime.layers.quantization import gguf
+from runtime.layers.quantization.gguf import dense_dtype, native_bf16_matmul
+from runtime.layers.quantization.q4q8 import DENSE_MIN_ROWS_FLOAT32, Q4Q8LinearMethod, dense_min_rows, pack_q4, unpack_q4
 from runtime.layers.quantization.q8 import pack_q8_exact, pack_q8_vnni
 from tests.test_gguf_quantization import gguf_layer, gguf_weight, reference, rel_err
 
@@ -119,20 +121,46 @@ def test_a_gguf_layer_packs_the_files_blocks_exactly_and_computes_with_them(cpu_
     with torch.no_grad():
         y = layer(x)
     assert y.dtype == x.dtype and rel_err(y, x @ reference(weight).T) < 2e-4  # bf16 activations: ~3e-3
-    # A prefill-sized batch goes through the bfloat16 copy: with AMX or AVX512-BF16 as the kernels' tiles,
-    # float32 out (the bf16 operands' exact products summed in float32); else in oneDNN's
-    # blocked layout (re-packed per call otherwise), whose output is rounded to bf16.
-    big = torch.randn(DENSE_MIN_ROWS + 9, 576)
+    # A prefill-sized batch goes through the dense copy: with AMX or AVX512-BF16 as the kernels'
+    # bfloat16 tiles, float32 out (the bf16 operands' exact products summed in float32); else in
+    # oneDNN's blocked layout (re-packed per call otherwise): bfloat16 where bf16 matmuls are
+    # native (output rounded to bf16), float32 elsewhere (the file's weights, each rounded once).
+    big = torch.randn(dense_min_rows(layer) + 9, 576)
     with torch.no_grad():
         y = layer(big)
     assert hasattr(layer, "dense_tiles") == bool(cpu_ops.bf16_linear_isas())
+    dense = dense_dtype(torch.device("cpu"), 192 * 576)
     if hasattr(layer, "dense_tiles"):
         exact = big.bfloat16().double() @ reference(weight).bfloat16().double().T
         torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-6)
-    elif hasattr(layer, "dense_packed"):
+    elif dense == torch.bfloat16:
+        assert layer.dense_packed.dtype == torch.bfloat16
         bf16 = torch.nn.functional.linear(big.bfloat16(), reference(weight).bfloat16()).float()
         torch.testing.assert_close(y, bf16, rtol=2**-7, atol=1e-5)  # one bf16 rounding of the sums
+    else:
+        assert dense == torch.float32 and layer.dense_packed.dtype == torch.float32
+        torch.testing.assert_close(y.double(), big.double() @ reference(weight).double().T, rtol=1e-5, atol=1e-5)
     assert rel_err(y, big @ reference(weight).T) < 1e-2
+
+
+def test_without_native_bf16_a_model_over_the_float32_budget_keeps_no_dense_copy(
+    cpu_ops: CpuOps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float32 copy is 8x a Q4 layer's bytes: past DENSE_FLOAT32_MAX_BYTES for the whole
+    model none is kept, and prefill-sized batches run on the blocks, as exactly as decodes."""
+    if native_bf16_matmul(torch.device("cpu")) or not cpu_ops.q4_linear_isa():
+        pytest.skip("bfloat16 copies (native here) have no budget; without Q4 kernels the layer is int4")
+    torch.manual_seed(5)
+    weight = gguf_weight(torch.randn(192, 576) * 0.02, "Q4_1")
+    monkeypatch.setattr(gguf, "DENSE_FLOAT32_MAX_BYTES", 4 * 192 * 576 - 1)
+    layer = gguf_layer(ColumnParallelLinear(576, 192), {None: weight}, cpu_ops)
+    assert not any(hasattr(layer, name) for name in ("dense_tiles", "dense_packed", "dense_weight"))
+    big = torch.randn(DENSE_MIN_ROWS_FLOAT32 + 9, 576)
+    with torch.no_grad():
+        y = layer(big)
+    assert torch.equal(y, cpu_ops.q4_linear(big, layer.q4_weight))
+    monkeypatch.setattr(gguf, "DENSE_FLOAT32_MAX_BYTES", 4 * 192 * 576)
+    assert gguf_layer(ColumnParallelLinear(576, 192), {None: weight}, cpu_ops).dense_packed.dtype == torch.float32
 
 
 def test_q8_0_parts_keep_the_two_plane_int4_form(cpu_ops: CpuOps) -> None:

@@ -31,11 +31,11 @@ import torch
 from config.settings import SettingsError
 from runtime.layers.quantization import (
     QuantizationName,
+    dense_path,
     linear_layers,
     prepare_linear_layers,
     quantize_linear_layers,
 )
-from runtime.layers.quantization.gguf import dense_path
 from runtime.layers.weights import LazyWeight
 from runtime.model_config import ModelConfig
 from runtime.model_executor.weight_utils import (
@@ -270,5 +270,5 @@ def load_model(
     forms = quantize_linear_layers(model, quantization)
     if quantization == "gguf":
         log.info("GGUF blocks loaded into the linear layers", gguf=str(gguf_path), layers=dict(forms),
-                 dense_path=dense_path(torch.device(device), cpu_ops), seconds=round(time.monotonic() - start, 2))  # fmt: skip
+                 dense_path=dense_path(model, cpu_ops), seconds=round(time.monotonic() - start, 2))  # fmt: skip
     return model.eval()

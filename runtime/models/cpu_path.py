@@ -28,7 +28,7 @@ from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import LinearBase
 from runtime.layers.logits_processor import LogitsProcessor
 from runtime.layers.quantization import linear_layers
-from runtime.layers.quantization.q4q8 import DENSE_MIN_ROWS, Q4Q8LinearMethod
+from runtime.layers.quantization.q4q8 import Q4Q8LinearMethod, dense_min_rows
 from runtime.layers.quantization.q8 import pack_q8_exact, pack_q8_vnni
 from runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
@@ -79,7 +79,7 @@ class FusedDecodeStack:
 
     Only where that call is exactly the module path (`fits`): every linear q4q8 without
     bias, no q/k norm, one rank, float32 activations; and per batch only while the layers'
-    bfloat16 copies would not take it (fewer than DENSE_MIN_ROWS rows) and the attention
+    dense copies would not take it (fewer than `dense_min_rows` rows) and the attention
     backend runs one CPU kernel for every token (`decode_attention_plan`: paged_decode, or
     under deterministic inference the per-query kernel, whose q4q8 linears are
     batch-invariant as they are). The KV pool is made after the model: its
@@ -89,6 +89,7 @@ class FusedDecodeStack:
         self.model, self.ops = model, ops
         self._stack: _Stack | None = None
         self._k0: torch.Tensor | None = None  # the pool the stack is bound to (its layer-0 K buffer)
+        self.max_rows = dense_min_rows(_layers(model)[0].self_attn.qkv_proj) - 1  # (one dtype for every layer)
 
     @staticmethod
     def fits(model: LlamaModel) -> bool:
@@ -104,7 +105,7 @@ class FusedDecodeStack:
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, fb: AttentionBatch) -> torch.Tensor | None:
         """The final norm's output, or None where the module path must run."""
         plan = fb.attn_backend.decode_attention_plan()
-        if plan is None or h.shape[0] >= DENSE_MIN_ROWS:  # (h is float32: `fits`)
+        if plan is None or h.shape[0] > self.max_rows:  # (h is float32: `fits`)
             return None
         pool = fb.kv_pool
         if self._stack is None or self._k0 is not pool.k_buffer[0]:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Literal
 from torch import nn
 
 from runtime.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
-from runtime.layers.quantization.gguf import GgufLinearMethod, Int4PlanesLinearMethod
+from runtime.layers.quantization.gguf import GgufLinearMethod, Int4PlanesLinearMethod, dense_dtype
 from runtime.layers.quantization.int4 import Int4LinearMethod
 from runtime.layers.quantization.int8 import Int8LinearMethod
 from runtime.layers.quantization.q4q8 import Q4Q8LinearMethod
@@ -76,12 +76,29 @@ def prepare_linear_layers(model: nn.Module, name: QuantizationName, ops: CpuOps 
     weights as built."""
     if name != "gguf":
         return
-    for layer in linear_layers(model):
+    layers = linear_layers(model)
+    if not layers:
+        return
+    dense = dense_dtype(layers[0].weight.device, sum(layer.weight.numel() for layer in layers))
+    for layer in layers:
         float_weight = layer.weight
-        method = GgufLinearMethod(float_weight.dtype, float_weight.device, ops)
+        method = GgufLinearMethod(float_weight.dtype, float_weight.device, ops, dense)
         layer.quant_method = method
         method.create_weights(layer, layer.input_size_per_partition, layer.output_size_per_partition)
         set_weight_attrs(layer.weight, layer.weight_loader, checkpoint_shapes_of(float_weight))
+
+
+def dense_path(model: nn.Module, ops: CpuOps | None) -> str:
+    """What packed layers run batches of DENSE_MIN_ROWS rows or more on (logged at load):
+    the kernels' bf16 tiles on one ISA, oneDNN's copy in its dtype, or none (the packed
+    kernel for every batch)."""
+    for layer in linear_layers(model):
+        if hasattr(layer, "dense_tiles") and ops is not None:
+            return ops.bf16_linear_isas()[0]
+        for name in ("dense_packed", "dense_weight"):
+            if hasattr(layer, name):
+                return f"onednn-{str(getattr(layer, name).dtype).removeprefix('torch.')}"
+    return "none"
 
 
 def quantize_linear_layers(model: nn.Module, name: QuantizationName) -> Counter[str]:

@@ -16,10 +16,13 @@ layout (gguf_blocks.py) and hands the layer to the method that computes with it:
     or a shape the kernel refuses -> UnquantizedLinearMethod, gguf's float dequantization
 
 so a layer is packed whole or float whole, and the float matrix of a packed one is
-never built. Where bfloat16 matmuls are native (AMX / AVX512-BF16), a packed layer
-also keeps its weight in bfloat16 (`keep_dense_copy`), which batches of 24 (q4q8: 32) rows
-or more (prefill, large decode batches) run through instead: torch's int4 kernel is fastest
-at a few rows and grows linearly with them (int4.dense_matmul; +2 bytes a weight).
+never built. A packed layer also keeps a dense copy of its weight (`keep_dense_copy`), which
+batches of 24 (q4q8: 32) rows or more (prefill, large decode batches) run through instead:
+the packed kernels are fastest at a few rows and grow linearly with them
+(int4.dense_matmul). Its dtype is `dense_dtype`'s: bfloat16 where bfloat16 matmuls are
+native (AMX / AVX512-BF16; +2 bytes a weight), else float32 through oneDNN (AVX2: its FMA
+units outrun the Q4 kernel's integer products from ~32 rows; +4 bytes a weight, so only
+while the model's copies fit DENSE_FLOAT32_MAX_BYTES).
 """
 
 from __future__ import annotations
@@ -89,18 +92,27 @@ def native_bf16_matmul(device: torch.device) -> bool:
     return device.type == "cpu" and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
-def dense_path(device: torch.device, ops: CpuOps | None) -> str:
-    """What packed layers run batches of DENSE_MIN_ROWS rows or more on (logged at load): the
-    kernels' bf16 tiles on one ISA, oneDNN's bf16 copy, or none (the packed kernel for all)."""
-    if not native_bf16_matmul(device):
-        return "none"
-    isas = ops.bf16_linear_isas() if ops is not None else []
-    return isas[0] if isas else "onednn-bf16"
+# The most bytes of float32 dense copies a model keeps (SmolLM2's 120 linears: 425 MB); a
+# bigger model runs prefill on its packed kernels rather than hold 8x its Q4 bytes again.
+DENSE_FLOAT32_MAX_BYTES = 1 << 30
 
 
-def dense_bf16(planes: Int4Planes) -> torch.Tensor:
-    """The planes' weight `[N, K]` in bfloat16, from float32 sums (the float64 of
-    `Int4Planes.dequantize` would change nothing after the bfloat16 rounding)."""
+def dense_dtype(device: torch.device, weights: int) -> torch.dtype | None:
+    """The dtype of the dense copies of a model whose packable linears hold `weights`
+    values, or None (none kept: the packed kernels take every batch)."""
+    if native_bf16_matmul(device):
+        return torch.bfloat16
+    if device.type == "cpu" and torch.backends.mkldnn.is_available() and 4 * weights <= DENSE_FLOAT32_MAX_BYTES:
+        return torch.float32
+    return None
+
+
+def dense_weight(planes: Int4Planes, dtype: torch.dtype) -> torch.Tensor:
+    """The planes' weight `[N, K]` in `dtype`: bfloat16 from float32 sums (the float64 of
+    `Int4Planes.dequantize` would change nothing after the bfloat16 rounding), float32
+    from that float64 (each weight rounded once)."""
+    if dtype != torch.bfloat16:
+        return planes.dequantize().to(dtype)
     p, n, k = planes.q.shape
     groups = (planes.q.float().view(p, n, k // BLOCK, BLOCK) - 8) * planes.scale[..., None] + planes.zero[..., None]
     return groups.sum(0).view(n, k).to(torch.bfloat16)
@@ -120,10 +132,13 @@ def _with_planes(planes: Int4Planes, count: int) -> Int4Planes:
 class GgufLinearMethod(UnquantizedLinearMethod):
     """The loader of one layer (see the module docstring). `dtype` and `device` are the
     model's: a float fallback weight is built in them. `ops`: the CPU kernels, when
-    bound (their q4_linear takes Q4 layers on a VNNI or AVX2 CPU)."""
+    bound (their q4_linear takes Q4 layers on a VNNI or AVX2 CPU). `dense`: the dtype of
+    the dense copy a packed layer keeps (`dense_dtype`), or None."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, ops: CpuOps | None = None) -> None:
-        self.dtype, self.device = dtype, device
+    def __init__(
+        self, dtype: torch.dtype, device: torch.device, ops: CpuOps | None = None, dense: torch.dtype | None = None
+    ) -> None:
+        self.dtype, self.device, self.dense = dtype, device, dense
         self.q4_ops = ops if ops is not None and ops.q4_linear_isa() and device.type == "cpu" else None
         self.parts: list[tuple[int, LazyWeight | torch.Tensor]] = []  # (first output row, rows)
 
@@ -173,10 +188,10 @@ class GgufLinearMethod(UnquantizedLinearMethod):
                 layer.packed = nn.Parameter(packed.to(self.device), requires_grad=False)
                 layer.scales_and_zeros = nn.Parameter(scales_and_zeros.to(self.device), requires_grad=False)
                 method = Int4LinearMethod(BLOCK) if count == 1 else Int4PlanesLinearMethod(count)
-            if native_bf16_matmul(self.device):  # prefill and big batches: see int4.dense_matmul
+            if self.dense is not None:  # prefill and big batches: see int4.dense_matmul
                 # the kernels' tiles only for a method that runs them (q4q8 holds the kernels)
                 ops = self.q4_ops if isinstance(method, Q4Q8LinearMethod) else None
-                keep_dense_copy(layer, dense_bf16(planes).to(self.device), ops)
+                keep_dense_copy(layer, dense_weight(planes, self.dense).to(self.device), ops)
         else:
             weight = torch.empty(n, k, dtype=self.dtype, device=self.device)
             for offset, w in parts:

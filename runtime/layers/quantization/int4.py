@@ -127,7 +127,7 @@ def keep_dense_copy(layer: nn.Module, dense: torch.Tensor, ops: CpuOps | None = 
     for 256 rows 18.5 / 45 / 154 ms (the default hint's layout lost from 512 rows on;
     bench/RESULTS.md item 19)."""
     n, k = dense.shape
-    if ops is not None and ops.bf16_linear_isas() and n % 16 == 0 and k % 32 == 0:
+    if dense.dtype == torch.bfloat16 and ops is not None and ops.bf16_linear_isas() and n % 16 == 0 and k % 32 == 0:
         layer.register_buffer("dense_tiles", pack_bf16_tiles(dense), persistent=False)
     elif dense.is_cpu and torch.backends.mkldnn.is_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(dense, DENSE_PACK_ROWS)

@@ -13,9 +13,10 @@ one int8 plane (llama.cpp's Q8_1 activations) lost 4 points.
 At a few rows the step reads 4.5 bits a weight (memory-bound where torch's int4
 kernel is compute-bound); at 16 rows the kernel runs at the integer units' rate (VNNI's
 vpdpbusd, or AVX2's vpmaddubsw: the same integers, the same bits). For
-big batches (prefill) a layer also keeps a bfloat16 copy, as the int4 path does
-(int4.dense_matmul), from DENSE_MIN_ROWS rows on: as the kernels' bf16_linear tiles
-(AMX or AVX512-BF16), with float32 sums and output.
+big batches (prefill) a layer also keeps a dense copy, as the int4 path does
+(int4.dense_matmul), from `dense_min_rows` rows on: in bfloat16 as the kernels' bf16_linear
+tiles (AMX or AVX512-BF16), with float32 sums and output; elsewhere (AVX2) in float32
+through oneDNN, from more rows (it reads 8x the bytes).
 
 A row's result never depends on the other rows of the call (per-row quantization and
 accumulation order), so the method is batch-invariant as is; under deterministic
@@ -45,6 +46,16 @@ RECORD = 320  # bytes per (16 rows, 32 columns): 256 of nibbles, 32 of d, 32 of 
 # 16 / 24 / 32 rows vs the copy's 18.4 / 19.2 / 19.8 (bench/RESULTS.md item 18); from
 # there the copy wins, below it the exact kernel is faster too.
 DENSE_MIN_ROWS = 32
+# A float32 copy (oneDNN on AVX2 CPUs, gguf.dense_dtype) streams 8x the Q4 bytes: on an AMD
+# EPYC (Zen 2) the same 120 linears took 115.8 vs the copy's 127.1 ms at 64 rows and 238.6 vs
+# 222.8 at 128 (bench/RESULTS.md item 27).
+DENSE_MIN_ROWS_FLOAT32 = 128
+
+
+def dense_min_rows(layer: torch.nn.Module) -> int:
+    """From how many rows `layer`'s dense copy takes a batch (the blocks take fewer)."""
+    packed = getattr(layer, "dense_packed", None)
+    return DENSE_MIN_ROWS_FLOAT32 if packed is not None and packed.dtype == torch.float32 else DENSE_MIN_ROWS
 
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -88,7 +99,7 @@ class Q4Q8LinearMethod(UnquantizedLinearMethod):
         self.ops = ops
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        dense = dense_matmul(layer, x, bias, DENSE_MIN_ROWS, self.ops)
+        dense = dense_matmul(layer, x, bias, dense_min_rows(layer), self.ops)
         if dense is not None:
             return dense
         rows = prompt_rows() if layer.batch_invariant and hasattr(layer, "dense_tiles") else None
@@ -108,7 +119,7 @@ class Q4Q8LinearMethod(UnquantizedLinearMethod):
     def silu_mul_dense(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
         """`silu(gate) * up` of a gate|up layer straight from its tiles where `apply` would
         take the dense path (int4.dense_silu_mul); else None."""
-        return dense_silu_mul(layer, x, DENSE_MIN_ROWS, self.ops)
+        return dense_silu_mul(layer, x, dense_min_rows(layer), self.ops)
 
     def dequantize(self, layer: LinearBase) -> torch.Tensor:
         """The float32 weight `[out, in]` the layer computes with (`d * q + m`, exact)."""
