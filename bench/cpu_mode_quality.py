@@ -64,7 +64,7 @@ def main() -> None:
         model = load_model(model_dir, f32, "auto", "cpu", seed=None, quantization="gguf", cpu_ops=kernel_ops)
         if ops is not None:
             bind_cpu_ops(model, ops)
-        print(f"{name + ' (+bf16 copy)':24s} %.4f %.4f" % agreement(logits(model, f32), ref))
+        print(f"{name + ' (+dense copy)':24s} %.4f %.4f" % agreement(logits(model, f32), ref))
         for module in model.modules():
             drop_dense_copy(module)
         print(f"{name + ' only':24s} %.4f %.4f" % agreement(logits(model, f32), ref))

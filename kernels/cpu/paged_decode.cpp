@@ -7,9 +7,9 @@
 // kv_idx: [n, max_len] int64  slot of each position (only the first lens[i] are read)
 // lens:   [n] int64           out: [n, Hq, D] (q's dtype)
 //
-// Vector path (AVX-512 or AVX2, D a multiple of 16): one work item is one sequence, one kv head and one
-// span of its positions; the G = Hq / Hkv query heads that share the kv head are scored
-// together, so each K and V row is read once, as D / 16 vectors, straight from the pool.
+// Vector path (AVX-512 or AVX2, D a multiple of 16): one work item is one sequence, one kv
+// head and one span of its positions; the G = Hq / Hkv query heads that share the kv head are
+// scored together, so each K and V row is read once, as D / 16 vectors, straight from the pool.
 // A sequence's positions are split into spans only when there are fewer (sequence, kv
 // head) pairs than threads (a single stream's step would otherwise leave cores idle);
 // each span keeps its own max, exp-sum and weighted V sum, merged at the end as
