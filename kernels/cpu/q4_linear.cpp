@@ -12,8 +12,9 @@
 //
 // where each dot product is exact in int32: one AVX512-VNNI `vpdpbusd` multiplies 64
 // unsigned codes by 64 signed int8 values and adds each 4 products into one of 16 int32
-// lanes. c < 2^24, so it converts to float exactly. Two planes cost twice the integer
-// work, which a memory-bound step at a few rows does not notice.
+// lanes. c < 2^24, so it converts to float exactly. (AVX2 without VNNI computes the same
+// integers with other instructions: block_tile's second form below.) Two planes cost twice
+// the integer work, which a memory-bound step at a few rows does not notice.
 //
 // Packed layout (runtime/layers/quantization/q4q8.py `pack_q4`, once at load): 16 output rows per block, so one vector lane is
 // one output row and no horizontal sum is ever needed. Block b, group g is a record of
@@ -66,12 +67,12 @@ constexpr int64_t kRecord = 320;  // bytes per (block, group): 256 of codes, 32 
 constexpr int64_t kRecord8 = 576;  // Q8: 512 of codes (q + 128), 64 of d (float32); m = -128 d is not stored
 constexpr int64_t kPrefetchAhead = 4096;  // one page: past where the hardware streamer stops
 
-constexpr int64_t kTileRows = 8;
+constexpr int64_t kTileRows = 8;  // rows of x a block_tile takes at most (VNNI: 24 of 32 zmm hold its sums)
 #if defined(Q4_AVX2)
 constexpr bool kWideQ8 = true;  // the Q8 records' AVX2 path reads x16 (q8_dots)
 #else
 constexpr bool kWideQ8 = false;
-#endif  // rows of x a block_tile takes at most (24 of 32 zmm hold its sums)
+#endif
 
 // x as two int8 planes a, b, laid out for the tiles. Tile t holds rows 8t .. 8t + h - 1
 // (h = 8, or what is left of M in the last tile); its group g, column quad c (columns
