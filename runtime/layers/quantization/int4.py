@@ -107,7 +107,7 @@ def dequantize_int4_values(
 # SmolLM2's whole decode step (2 threads, bench/RESULTS.md item 15) took 62 ms int4 vs
 # 68-71 ms bf16 at 16 rows and 113-118 vs 99 ms at 32; a prefill of 128 tokens 2x faster.
 DENSE_MIN_ROWS = 24
-# The batch size oneDNN lays the packed bf16 copy out for (keep_dense_copy).
+# The batch size oneDNN lays the packed copy out for (keep_dense_copy).
 DENSE_PACK_ROWS = 256
 
 
@@ -119,10 +119,11 @@ def pack_bf16_tiles(dense: torch.Tensor) -> torch.Tensor:
 
 
 def keep_dense_copy(layer: nn.Module, dense: torch.Tensor, ops: CpuOps | None = None) -> None:
-    """Give `layer` the bfloat16 copy `dense_matmul` uses (`[out, in]`). With the CPU
-    kernels (`ops`) on a CPU with AMX-BF16 or AVX512-BF16 it is kept as their bf16_linear's
-    tiles (`dense_tiles`): float32 out, no casts around it. Else, on the CPU, in oneDNN's blocked layout
-    (`dense_packed`): F.linear on a plain bf16 weight re-packs that weight on every call.
+    """Give `layer` the dense copy `dense_matmul` uses (`[out, in]`, bfloat16 or float32:
+    gguf.dense_dtype). A bfloat16 copy with the CPU kernels (`ops`) on a CPU with AMX-BF16 or
+    AVX512-BF16 is kept as their bf16_linear's tiles (`dense_tiles`): float32 out, no casts
+    around it. Else, on the CPU, in oneDNN's blocked layout (`dense_packed`): F.linear on a
+    plain weight re-packs that weight on every call.
     SmolLM2's 120 GEMMs at 64 / 256 / 1024 rows: plain 25-27 / 58-68 / 160-242 ms, packed
     for 256 rows 18.5 / 45 / 154 ms (the default hint's layout lost from 512 rows on;
     bench/RESULTS.md item 19)."""
@@ -168,8 +169,8 @@ def dense_matmul(
     min_rows: int = DENSE_MIN_ROWS,
     ops: CpuOps | None = None,
 ) -> torch.Tensor | None:
-    """`x @ W.T (+ bias)` through the layer's bfloat16 copy of its quantized weight
-    (`keep_dense_copy`, kept by gguf where bf16 matmuls are native) when the batch has
+    """`x @ W.T (+ bias)` through the layer's dense copy of its quantized weight
+    (`keep_dense_copy`; its dtype is gguf.dense_dtype's) when the batch has
     `min_rows` rows or more; None: use the packed kernel. Under deterministic inference,
     when every row is a prompt token and the copy is the tiles (`_takes_dense`).
     `ops`: the CPU kernels, which run the tiles and cast around oneDNN where bound."""
