@@ -10,6 +10,8 @@ One extension, `sluice_cpu_ops`, from every .cpp in this directory:
                     a decoder layer's row-wise ops in one pass each
   q8_linear.cpp     float32 x int8-block matmul (the GGUF's Q8_0 LM head)
   q4_linear.cpp     Q4-block weights x int8-block activations on AVX512-VNNI or AVX2 (gguf linears)
+  bf16_linear.cpp   bfloat16 x bfloat16 -> float32 on AMX or AVX512-BF16 (the dense copies' path)
+  f32_linear.cpp    float32 GEMM on AVX2's FMA units (the dense copies' path without native bf16)
   decode_stack.cpp  a decode batch's decoder layers in one call, from the kernels above
   cpu_common.h      the vector ISA at::vec compiles for; K/V row widening
   spin_pool.h       the kernels' threads: they spin between the calls of a step, where
@@ -68,7 +70,8 @@ class CpuOps(Protocol):
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor: ...
 
-    # `DecodeStack(per_layer, final_norm, cos_sin_cache, num_heads, num_kv_heads, head_dim, scale, eps)`:
+    # `DecodeStack(per_layer, final_norm, cos_sin_cache, num_heads, num_kv_heads, head_dim, scale, eps,
+    # dense_min_rows)`:
     # a class (runtime/models/cpu_path.py FusedDecodeStack builds and calls it)
     DecodeStack: Callable[..., object]
 
@@ -79,6 +82,10 @@ class CpuOps(Protocol):
     def q4_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor: ...
 
     def q8_linear_vnni(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor: ...
+
+    def f32_linear_isa(self) -> str: ...
+
+    def f32_linear(self, x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor: ...
 
     def bf16_linear_isas(self) -> list[str]: ...
 

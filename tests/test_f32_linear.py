@@ -1,0 +1,80 @@
+"""The float32 dense path of the quantized linears on AVX2 CPUs (kernels/cpu/f32_linear.cpp):
+prefill and batches of dense_min_rows rows or more, where bfloat16 is not native.
+
+What it computes is fixed exactly: y[m, n] = sum over k, in order, of one fused
+multiply-add each in float32. Against the product in float64 it differs only by that
+float32 accumulation; a row's bits never depend on the other rows of the call. Without
+AVX2 the same operations run lane by lane (std::fma), so these tests hold on any CPU;
+only the engine's choice of the form depends on the flags.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.cpu import CpuOps
+from runtime.layers.quantization.int4 import pack_f32_panels
+
+
+def float32_sums_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 sums of K products: a few ulps of the sum of their magnitudes."""
+    return 1e-6 * (x.double().abs() @ w.double().abs().T) + 1e-30
+
+
+# M covers a lone row, every short 6-row tile, and at K = 1536 more than one row block
+# (kBlockBytes); K = 33 is no multiple of any vector; N = 16 is one panel, 48 three (a
+# panel split unevenly over 2 threads).
+@pytest.mark.parametrize("M", [1, 5, 6, 7, 64, 257])
+@pytest.mark.parametrize("N,K", [(16, 33), (48, 576), (192, 1536), (960, 576)])
+def test_the_float32_product_summed_in_order(cpu_ops: CpuOps, M: int, N: int, K: int) -> None:
+    torch.manual_seed(M * 13 + N + K)
+    x, w = torch.randn(M, K), torch.randn(N, K) * 0.05
+    y = cpu_ops.f32_linear(x, pack_f32_panels(w))
+    assert y.dtype == torch.float32 and y.shape == (M, N) and y.is_contiguous()
+    assert ((y.double() - x.double() @ w.double().T).abs() <= float32_sums_bound(x, w)).all()
+
+
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(cpu_ops: CpuOps) -> None:
+    x, panels = torch.randn(300, 1536), pack_f32_panels(torch.randn(96, 1536))
+    full = cpu_ops.f32_linear(x, panels)
+    for rows in (slice(0, 1), slice(3, 20), slice(31, 38), slice(100, 300)):
+        assert torch.equal(cpu_ops.f32_linear(x[rows].clone(), panels), full[rows])
+
+
+def test_a_strided_x_and_zero_rows(cpu_ops: CpuOps) -> None:
+    w = torch.randn(32, 64)
+    x = torch.randn(10, 128)[:, ::2]  # a view with column stride 2
+    assert not x.is_contiguous()
+    assert torch.equal(cpu_ops.f32_linear(x, pack_f32_panels(w)), cpu_ops.f32_linear(x.contiguous(), pack_f32_panels(w)))
+    assert cpu_ops.f32_linear(torch.empty(0, 64), pack_f32_panels(w)).shape == (0, 32)
+
+
+def test_the_panel_layout_puts_each_weight_where_the_kernel_reads_it() -> None:
+    w = torch.arange(32 * 5, dtype=torch.float32).view(32, 5)
+    p = pack_f32_panels(w)
+    assert p.shape == (2, 5, 16)
+    for n, k, j in [(0, 0, 0), (1, 4, 15), (0, 3, 7), (1, 1, 2)]:
+        assert p[n, k, j] == w[16 * n + j, k]
+
+
+def test_mismatched_shapes_are_refused(cpu_ops: CpuOps) -> None:
+    panels = pack_f32_panels(torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="K must be"):
+        cpu_ops.f32_linear(torch.randn(3, 65), panels)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_ops.f32_linear(torch.randn(3, 64).bfloat16(), panels)
+    with pytest.raises(RuntimeError, match="pack_f32_panels"):
+        cpu_ops.f32_linear(torch.randn(3, 64), torch.randn(64, 32))
+
+
+def test_the_engine_form_exactly_where_the_cpu_has_avx2_and_no_avx512(cpu_ops: CpuOps) -> None:
+    """An AVX-512 build leaves float32 GEMMs to oneDNN (which has the wider form; and those
+    CPUs' dense copies are bfloat16 where native); AVX2 with FMA runs this kernel's ymm loop."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo to read the CPU flags from")
+    avx512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags
+    assert cpu_ops.f32_linear_isa() == ("avx2" if not avx512 and {"avx2", "fma"} <= flags else "")
