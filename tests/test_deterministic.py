@@ -153,9 +153,10 @@ def test_recomputed_and_reused_outputs_change_no_bit(
         assert after == fresh
         assert cached[1::2] == reused  # the first turn's prompt; and its answer's KV when marked
     # Marking the answer changes its tokens' kernel where given text has its own (the bf16
-    # tiles: AMX / AVX512-BF16), so (on these weights) the bits too; without the tiles both
-    # roles run on the Q4 blocks, and marking changes only what the cache may share.
-    if cpu_ops.bf16_linear_isas():
+    # tiles: AMX / AVX512-BF16; the float32 panels: AVX2 without AVX-512), so (on these
+    # weights) the bits too; without either both roles run on the Q4 blocks, and marking
+    # changes only what the cache may share.
+    if cpu_ops.bf16_linear_isas() or cpu_ops.f32_linear_isa():
         assert each_alone(marked) != each_alone(given)
     else:
         assert each_alone(marked) == each_alone(given)

@@ -14,16 +14,25 @@ hold on any CPU; only the engine's choice of the form depends on the flags.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from kernels.cpu import CpuOps
 from runtime.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from runtime.layers.quantization import linear_form
+from runtime.layers.quantization import linear_form, q4q8, settle_dense_min_rows
 from runtime.layers.quantization import gguf
 from runtime.layers.quantization.gguf import dense_dtype, native_bf16_matmul
-from runtime.layers.quantization.q4q8 import DENSE_MIN_ROWS_FLOAT32, Q4Q8LinearMethod, dense_min_rows, pack_q4, unpack_q4
+from runtime.layers.quantization.int4 import DENSE_COPIES
+from runtime.layers.quantization.q4q8 import (
+    DENSE_MIN_ROWS_FLOAT32,
+    DENSE_MIN_ROWS_PANELS,
+    Q4Q8LinearMethod,
+    dense_min_rows,
+    pack_q4,
+    unpack_q4,
+)
 from runtime.layers.quantization.q8 import pack_q8_exact, pack_q8_vnni
 from tests.test_gguf_quantization import gguf_layer, gguf_weight, reference, rel_err
 
@@ -122,9 +131,10 @@ def test_a_gguf_layer_packs_the_files_blocks_exactly_and_computes_with_them(cpu_
         y = layer(x)
     assert y.dtype == x.dtype and rel_err(y, x @ reference(weight).T) < 2e-4  # bf16 activations: ~3e-3
     # A prefill-sized batch goes through the dense copy: with AMX or AVX512-BF16 as the kernels'
-    # bfloat16 tiles, float32 out (the bf16 operands' exact products summed in float32); else in
-    # oneDNN's blocked layout (re-packed per call otherwise): bfloat16 where bf16 matmuls are
-    # native (output rounded to bf16), float32 elsewhere (the file's weights, each rounded once).
+    # bfloat16 tiles, float32 out (the bf16 operands' exact products summed in float32); in
+    # float32 where bf16 matmuls are not native (the file's weights, each rounded once), as the
+    # kernels' f32_linear panels on AVX2; else in oneDNN's blocked layout (re-packed per call
+    # otherwise), bfloat16 where native (output rounded to bf16).
     big = torch.randn(dense_min_rows(layer) + 9, 576)
     with torch.no_grad():
         y = layer(big)
@@ -138,7 +148,11 @@ def test_a_gguf_layer_packs_the_files_blocks_exactly_and_computes_with_them(cpu_
         bf16 = torch.nn.functional.linear(big.bfloat16(), reference(weight).bfloat16()).float()
         torch.testing.assert_close(y, bf16, rtol=2**-7, atol=1e-5)  # one bf16 rounding of the sums
     else:
-        assert dense == torch.float32 and layer.dense_packed.dtype == torch.float32
+        assert dense == torch.float32
+        if cpu_ops.f32_linear_isa():
+            assert torch.equal(y, cpu_ops.f32_linear(big, layer.dense_panels))
+        else:
+            assert layer.dense_packed.dtype == torch.float32
         torch.testing.assert_close(y.double(), big.double() @ reference(weight).double().T, rtol=1e-5, atol=1e-5)
     assert rel_err(y, big @ reference(weight).T) < 1e-2
 
@@ -154,13 +168,17 @@ def test_without_native_bf16_a_model_over_the_float32_budget_keeps_no_dense_copy
     weight = gguf_weight(torch.randn(192, 576) * 0.02, "Q4_1")
     monkeypatch.setattr(gguf, "DENSE_FLOAT32_MAX_BYTES", 4 * 192 * 576 - 1)
     layer = gguf_layer(ColumnParallelLinear(576, 192), {None: weight}, cpu_ops)
-    assert not any(hasattr(layer, name) for name in ("dense_tiles", "dense_packed", "dense_weight"))
-    big = torch.randn(DENSE_MIN_ROWS_FLOAT32 + 9, 576)
+    assert not any(hasattr(layer, name) for name in DENSE_COPIES)
+    big = torch.randn(max(DENSE_MIN_ROWS_FLOAT32, DENSE_MIN_ROWS_PANELS) + 9, 576)
     with torch.no_grad():
         y = layer(big)
     assert torch.equal(y, cpu_ops.q4_linear(big, layer.q4_weight))
     monkeypatch.setattr(gguf, "DENSE_FLOAT32_MAX_BYTES", 4 * 192 * 576)
-    assert gguf_layer(ColumnParallelLinear(576, 192), {None: weight}, cpu_ops).dense_packed.dtype == torch.float32
+    kept = gguf_layer(ColumnParallelLinear(576, 192), {None: weight}, cpu_ops)
+    if cpu_ops.f32_linear_isa():
+        assert kept.dense_panels.shape == (192 // 16, 576, 16) and dense_min_rows(kept) == DENSE_MIN_ROWS_PANELS
+    else:
+        assert kept.dense_packed.dtype == torch.float32 and dense_min_rows(kept) == DENSE_MIN_ROWS_FLOAT32
 
 
 def test_q8_0_parts_keep_the_two_plane_int4_form(cpu_ops: CpuOps) -> None:
@@ -191,3 +209,43 @@ def test_the_q8_lm_head_in_vnni_records_is_the_fixed_point_product_with_its_exac
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
     assert ((y.double() - x.double() @ w.double().T).abs().max() / ref.abs().max()).item() < 3e-4
     assert torch.equal(cpu_ops.q8_linear_vnni(x[4:5].clone(), records)[0], y[4])  # per row: batch-invariant
+
+
+def test_the_panels_take_batches_from_the_fewest_rows_that_win_from_there_on() -> None:
+    """q4q8.crossover_rows, over what measure_panels_min_rows times: (rows, blocks, panels)."""
+    assert q4q8.crossover_rows([(2, 1.0, 3.0), (4, 2.0, 2.5), (6, 3.0, 2.9), (8, 4.0, 3.1)], never=256) == 6
+    # A win below a loss does not count: the panels must win at every larger count timed.
+    assert q4q8.crossover_rows([(2, 1.0, 0.9), (4, 2.0, 2.5), (6, 3.0, 2.9)], never=256) == 6
+    assert q4q8.crossover_rows([(2, 1.0, 0.5), (4, 2.0, 1.0)], never=256) == 2
+    assert q4q8.crossover_rows([(2, 1.0, 0.5), (4, 2.0, 2.1)], never=256) == 256
+
+
+def test_the_crossover_is_measured_once_a_process_on_the_loaded_layers(
+    cpu_ops: CpuOps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if native_bf16_matmul(torch.device("cpu")) or not cpu_ops.q4_linear_isa() or not cpu_ops.f32_linear_isa():
+        pytest.skip("float32 panels are kept only beside Q4 blocks on AVX2 CPUs without native bf16")
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(
+        gguf_layer(ColumnParallelLinear(576, 192), {None: gguf_weight(torch.randn(192, 576) * 0.02, "Q4_1")}, cpu_ops)
+        for _ in range(2)
+    )
+    monkeypatch.setattr(q4q8, "panels_min_rows", None)
+    timed: list[int] = []
+    measure = q4q8.measure_panels_min_rows
+
+    def counted(layers: Any, ops: CpuOps, repeats: int = 2) -> int:
+        timed.append(len(layers))
+        return measure(layers, ops, repeats)
+
+    monkeypatch.setattr(q4q8, "measure_panels_min_rows", counted)
+    rows = settle_dense_min_rows(model, cpu_ops)
+    assert timed == [2] and rows in (*q4q8.PANELS_TIMED_ROWS, 2 * q4q8.PANELS_TIMED_ROWS[-1])
+    assert all(dense_min_rows(layer) == rows for layer in model.layers)
+    assert settle_dense_min_rows(model, cpu_ops) == rows and timed == [2]  # reused, not re-measured
+    # From there on the layer takes the panels: the float32 product, not the blocks'.
+    x = torch.randn(rows, 576)
+    with torch.no_grad():
+        y = model.layers[0](x)
+    if rows <= q4q8.PANELS_TIMED_ROWS[-1]:
+        assert torch.equal(y, cpu_ops.f32_linear(x, model.layers[0].dense_panels))

@@ -17,9 +17,10 @@ each output is one sequential K loop per row, whatever M) declare `row_invariant
 and skip the blocking.
 
 A GGUF's Q4 layers have two per-row kernels: the exact Q4 blocks (fast at a few rows)
-and a bfloat16 copy on the kernels' tiles (fast for a prefill). Outside this mode the
-row count picks one. In it, a row's role does (runtime/token_roles.py): `PromptRows` marks a
-forward's given tokens, which take the tiles, and every answer token (a decode, a
+and a dense copy on the kernels' own GEMM (fast for a prefill): bfloat16 tiles (AMX /
+AVX512-BF16) or float32 panels (AVX2). Outside this mode the row count picks one. In it,
+a row's role does (runtime/token_roles.py): `PromptRows` marks a
+forward's given tokens, which take the copy, and every answer token (a decode, a
 retracted request's recomputed output, an earlier answer a chat sends back) takes the
 Q4 blocks. A token's kernel is then fixed by its request, so prefills run as fast as by
 default and decodes as well.
@@ -59,8 +60,8 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 @dataclass(frozen=True, slots=True)
 class PromptRows:
     """The rows of one forward's packed tokens that are given text, not answers
-    (deterministic inference: they take a layer's bfloat16 tiles; the rest take its Q4
-    blocks). `order is None`: every row is given text. A split forward computes its rows
+    (deterministic inference: they take a layer's dense copy, int4.has_invariant_copy;
+    the rest take its Q4 blocks). `order is None`: every row is given text. A split forward computes its rows
     gathered in `order` and puts them back with `restore`, one gather each way (cheaper
     than scattering two outputs)."""
 

@@ -27,6 +27,7 @@ from runtime.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMet
 from runtime.layers.quantization.gguf import GgufLinearMethod, Int4PlanesLinearMethod, dense_dtype
 from runtime.layers.quantization.int4 import Int4LinearMethod
 from runtime.layers.quantization.int8 import Int8LinearMethod
+from runtime.layers.quantization import q4q8
 from runtime.layers.quantization.q4q8 import Q4Q8LinearMethod
 from runtime.layers.weights import checkpoint_shapes_of, set_weight_attrs
 
@@ -89,16 +90,30 @@ def prepare_linear_layers(model: nn.Module, name: QuantizationName, ops: CpuOps 
 
 
 def dense_path(model: nn.Module, ops: CpuOps | None) -> str:
-    """What packed layers run batches of DENSE_MIN_ROWS rows or more on (logged at load):
-    the kernels' bf16 tiles on one ISA, oneDNN's copy in its dtype, or none (the packed
-    kernel for every batch)."""
+    """What packed layers run batches of dense_min_rows rows or more on (logged at load):
+    the kernels' bf16 tiles on one ISA, their float32 panels (avx2-float32), oneDNN's copy
+    in its dtype, or none (the packed kernel for every batch)."""
     for layer in linear_layers(model):
         if hasattr(layer, "dense_tiles") and ops is not None:
             return ops.bf16_linear_isas()[0]
+        if hasattr(layer, "dense_panels") and ops is not None:
+            return f"{ops.f32_linear_isa()}-float32"
         for name in ("dense_packed", "dense_weight"):
             if hasattr(layer, name):
                 return f"onednn-{str(getattr(layer, name).dtype).removeprefix('torch.')}"
     return "none"
+
+
+def settle_dense_min_rows(model: nn.Module, ops: CpuOps | None) -> int | None:
+    """Where `model`'s q4q8 layers keep float32 panels: the rows from which they take them,
+    measured here once a process (q4q8.measure_panels_min_rows; later loads reuse it).
+    None where no layer has panels."""
+    layers = [m for m in linear_layers(model) if isinstance(m.quant_method, Q4Q8LinearMethod) and hasattr(m, "dense_panels")]
+    if not layers or ops is None:
+        return None
+    if q4q8.panels_min_rows is None:
+        q4q8.panels_min_rows = q4q8.measure_panels_min_rows(layers, ops)
+    return q4q8.panels_min_rows
 
 
 def quantize_linear_layers(model: nn.Module, name: QuantizationName) -> Counter[str]:

@@ -118,11 +118,20 @@ def pack_bf16_tiles(dense: torch.Tensor) -> torch.Tensor:
     return dense.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
+def pack_f32_panels(dense: torch.Tensor) -> torch.Tensor:
+    """float32 `[N, K]` -> the CPU kernels' f32_linear layout `[N / 16, K, 16]`
+    (kernels/cpu/f32_linear.cpp): element (p, k, j) is `dense[16 p + j, k]`."""
+    n, k = dense.shape
+    return dense.view(n // 16, 16, k).transpose(1, 2).contiguous()
+
+
 def keep_dense_copy(layer: nn.Module, dense: torch.Tensor, ops: CpuOps | None = None) -> None:
     """Give `layer` the dense copy `dense_matmul` uses (`[out, in]`, bfloat16 or float32:
     gguf.dense_dtype). A bfloat16 copy with the CPU kernels (`ops`) on a CPU with AMX-BF16 or
     AVX512-BF16 is kept as their bf16_linear's tiles (`dense_tiles`): float32 out, no casts
-    around it. Else, on the CPU, in oneDNN's blocked layout (`dense_packed`): F.linear on a
+    around it; a float32 one, where the kernels' f32_linear has its AVX2 form, as its panels
+    (`dense_panels`: 18-21% faster than oneDNN from 128 rows on a Zen 2, bench/RESULTS.md
+    item 28). Else, on the CPU, in oneDNN's blocked layout (`dense_packed`): F.linear on a
     plain weight re-packs that weight on every call.
     SmolLM2's 120 GEMMs at 64 / 256 / 1024 rows: plain 25-27 / 58-68 / 160-242 ms, packed
     for 256 rows 18.5 / 45 / 154 ms (the default hint's layout lost from 512 rows on;
@@ -130,6 +139,8 @@ def keep_dense_copy(layer: nn.Module, dense: torch.Tensor, ops: CpuOps | None = 
     n, k = dense.shape
     if dense.dtype == torch.bfloat16 and ops is not None and ops.bf16_linear_isas() and n % 16 == 0 and k % 32 == 0:
         layer.register_buffer("dense_tiles", pack_bf16_tiles(dense), persistent=False)
+    elif dense.dtype == torch.float32 and ops is not None and ops.f32_linear_isa() and dense.is_cpu and n % 16 == 0:
+        layer.register_buffer("dense_panels", pack_f32_panels(dense), persistent=False)
     elif dense.is_cpu and torch.backends.mkldnn.is_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(dense, DENSE_PACK_ROWS)
         layer.register_buffer("dense_packed", packed, persistent=False)
@@ -137,20 +148,30 @@ def keep_dense_copy(layer: nn.Module, dense: torch.Tensor, ops: CpuOps | None = 
         layer.register_buffer("dense_weight", dense, persistent=False)
 
 
+# The names a dense copy takes (keep_dense_copy), one per layer.
+DENSE_COPIES = ("dense_tiles", "dense_panels", "dense_packed", "dense_weight")
+
+
 def drop_dense_copy(layer: nn.Module) -> None:
-    for name in ("dense_tiles", "dense_packed", "dense_weight"):
+    for name in DENSE_COPIES:
         if hasattr(layer, name):
             delattr(layer, name)
+
+
+def has_invariant_copy(layer: nn.Module) -> bool:
+    """Whether `layer`'s dense copy is one of the kernels' (bf16_linear's tiles or
+    f32_linear's panels): a row's result is then the same whatever M (oneDNN's is not)."""
+    return hasattr(layer, "dense_tiles") or hasattr(layer, "dense_panels")
 
 
 def _takes_dense(layer: LinearBase, x: torch.Tensor, min_rows: int) -> bool:
     """The dense copy serves all of x: from `min_rows` rows on. Under deterministic
     inference a row's kernel must not depend on how many rows share the call: the copy
-    serves x exactly when it is the kernels' tiles (batch-invariant per ISA) and every
-    row is a prompt token (batch_invariant.PromptRows; q4q8 splits a mixed x)."""
+    serves x exactly when it is the kernels' (has_invariant_copy) and every row is a
+    prompt token (batch_invariant.PromptRows; q4q8 splits a mixed x)."""
     if layer.batch_invariant:
         rows = prompt_rows()
-        return hasattr(layer, "dense_tiles") and rows is not None and rows.dense is None
+        return has_invariant_copy(layer) and rows is not None and rows.dense is None
     return x.numel() >= min_rows * x.shape[-1]
 
 
@@ -172,12 +193,12 @@ def dense_matmul(
     """`x @ W.T (+ bias)` through the layer's dense copy of its quantized weight
     (`keep_dense_copy`; its dtype is gguf.dense_dtype's) when the batch has
     `min_rows` rows or more; None: use the packed kernel. Under deterministic inference,
-    when every row is a prompt token and the copy is the tiles (`_takes_dense`).
-    `ops`: the CPU kernels, which run the tiles and cast around oneDNN where bound."""
+    when every row is a prompt token and the copy is the kernels' (`_takes_dense`).
+    `ops`: the CPU kernels, which run their copies and cast around oneDNN where bound."""
     if not _takes_dense(layer, x, min_rows):
         return None
-    if hasattr(layer, "dense_tiles") and ops is not None:
-        return tiles_matmul(layer, x, bias, ops)
+    if has_invariant_copy(layer) and ops is not None:
+        return invariant_matmul(layer, x, bias, ops)
     packed = cast(torch.Tensor | None, getattr(layer, "dense_packed", None))
     weight = packed if packed is not None else cast(torch.Tensor | None, getattr(layer, "dense_weight", None))
     if weight is None:
@@ -192,9 +213,14 @@ def dense_matmul(
     return out if bias is None else out + bias
 
 
-def tiles_matmul(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None, ops: CpuOps) -> torch.Tensor:
-    """`x @ W.T (+ bias)` on the layer's bf16_linear tiles (`keep_dense_copy`), whatever M."""
-    y = _on_rows(ops.bf16_linear, x, cast(torch.Tensor, layer.dense_tiles))
+def invariant_matmul(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None, ops: CpuOps) -> torch.Tensor:
+    """`x @ W.T (+ bias)` on the layer's bf16_linear tiles or f32_linear panels
+    (`keep_dense_copy`, has_invariant_copy), whatever M."""
+    tiles = cast(torch.Tensor | None, getattr(layer, "dense_tiles", None))
+    if tiles is not None:
+        y = _on_rows(ops.bf16_linear, x, tiles)
+    else:
+        y = _on_rows(ops.f32_linear, x.float(), cast(torch.Tensor, layer.dense_panels)).to(x.dtype)
     return y if bias is None else y + bias
 
 

@@ -15,24 +15,28 @@ kernel is compute-bound); at 16 rows the kernel runs at the integer units' rate 
 vpdpbusd, or AVX2's vpmaddubsw: the same integers, the same bits). For
 big batches (prefill) a layer also keeps a dense copy, as the int4 path does
 (int4.dense_matmul), from `dense_min_rows` rows on: in bfloat16 as the kernels' bf16_linear
-tiles (AMX or AVX512-BF16), with float32 sums and output; elsewhere (AVX2) in float32
-through oneDNN, from more rows (it reads 8x the bytes).
+tiles (AMX or AVX512-BF16), with float32 sums and output; elsewhere in float32, from more
+rows (it reads 8x the bytes): as the kernels' f32_linear panels on AVX2, through oneDNN
+otherwise.
 
 A row's result never depends on the other rows of the call (per-row quantization and
 accumulation order), so the method is batch-invariant as is; under deterministic
-inference a prompt token's row takes the tiles whatever the row count, a generated
-token's the blocks (runtime/layers/batch_invariant.py PromptRows).
+inference a prompt token's row takes the kernels' copy (tiles or panels) whatever the row
+count, a generated token's the blocks (runtime/layers/batch_invariant.py PromptRows).
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 
 from runtime.layers.linear import UnquantizedLinearMethod
 from runtime.layers.batch_invariant import prompt_rows
-from runtime.layers.quantization.int4 import dense_matmul, dense_silu_mul, tiles_matmul
+from runtime.layers.quantization.int4 import dense_matmul, dense_silu_mul, has_invariant_copy, invariant_matmul
 
 if TYPE_CHECKING:
     from kernels.cpu import CpuOps
@@ -50,10 +54,22 @@ DENSE_MIN_ROWS = 32
 # EPYC (Zen 2) the same 120 linears took 115.8 vs the copy's 127.1 ms at 64 rows and 238.6 vs
 # 222.8 at 128 (bench/RESULTS.md item 27).
 DENSE_MIN_ROWS_FLOAT32 = 128
+# The same copy as the kernels' f32_linear panels (AVX2) overtakes the blocks at a row count
+# that moves with the CPU: SmolLM2's 120 linears on 2 cores, blocks vs panels, took 53.7 vs
+# 53.2 ms at 32 rows and 80.1 vs 67.6 at 48 on an AMD EPYC Zen 2 (two 256-bit FMAs a cycle),
+# but 30.7 vs 28.2 at 6 rows and 73.3 vs 55.4 at 16 on a Zen 1, whose 256-bit integer and
+# FMA instructions run as two 128-bit halves (bench/RESULTS.md item 28). So it is measured
+# on the machine, once a process (measure_panels_min_rows), at these row counts; this is
+# the rows used until then.
+PANELS_TIMED_ROWS = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+DENSE_MIN_ROWS_PANELS = 64
+panels_min_rows: int | None = None  # measured (quantization.settle_dense_min_rows)
 
 
 def dense_min_rows(layer: torch.nn.Module) -> int:
     """From how many rows `layer`'s dense copy takes a batch (the blocks take fewer)."""
+    if hasattr(layer, "dense_panels"):
+        return DENSE_MIN_ROWS_PANELS if panels_min_rows is None else panels_min_rows
     packed = getattr(layer, "dense_packed", None)
     return DENSE_MIN_ROWS_FLOAT32 if packed is not None and packed.dtype == torch.float32 else DENSE_MIN_ROWS
 
@@ -102,12 +118,12 @@ class Q4Q8LinearMethod(UnquantizedLinearMethod):
         dense = dense_matmul(layer, x, bias, dense_min_rows(layer), self.ops)
         if dense is not None:
             return dense
-        rows = prompt_rows() if layer.batch_invariant and hasattr(layer, "dense_tiles") else None
+        rows = prompt_rows() if layer.batch_invariant and has_invariant_copy(layer) else None
         if rows is not None and rows.order is not None and rows.restore is not None:
             # Deterministic inference, given text and answers in one forward: each row on
             # its role's kernel (batch_invariant.PromptRows).
             xs, d = x.reshape(-1, x.shape[-1]).index_select(0, rows.order), rows.given
-            out = torch.cat([tiles_matmul(layer, xs[:d], None, self.ops), self._blocks(layer, xs[d:])]).index_select(0, rows.restore)
+            out = torch.cat([invariant_matmul(layer, xs[:d], None, self.ops), self._blocks(layer, xs[d:])]).index_select(0, rows.restore)
         else:
             out = self._blocks(layer, x.reshape(-1, x.shape[-1]))
         out = out.view(*x.shape[:-1], out.shape[-1])
@@ -127,3 +143,49 @@ class Q4Q8LinearMethod(UnquantizedLinearMethod):
         n, k = q.shape
         w = q.float().view(n, k // GROUP, GROUP) * d.float()[..., None] + m.float()[..., None]
         return w.view(n, k)
+
+
+def crossover_rows(timings: Sequence[tuple[int, float, float]], never: int) -> int:
+    """The fewest rows from which the dense copy is as fast as the blocks or faster at every
+    larger count timed. `timings`: (rows, blocks' seconds, copy's seconds), rows ascending;
+    `never` where the copy loses at the largest."""
+    rows = never
+    for m, blocks, dense in reversed(timings):
+        if dense > blocks:
+            break
+        rows = m
+    return rows
+
+
+# measure_panels_min_rows times this many bytes of panels or more (a forward streams its
+# weights from memory; one decoder layer's would sit in a big L3), and stops once the
+# panels have won at this many row counts in a row.
+PANELS_TIMED_BYTES = 64 << 20
+PANELS_WINS_TO_STOP = 3
+
+
+def measure_panels_min_rows(layers: Sequence[LinearBase], ops: CpuOps, repeats: int = 2) -> int:
+    """Time the first of `layers` (q4q8 linears with panels, in model order) that hold
+    PANELS_TIMED_BYTES of panels, on the blocks and on the panels, at PANELS_TIMED_ROWS
+    ascending, the two interleaved, best of `repeats` after a warm-up; their crossover_rows
+    (SmolLM2 on 2 cores: ~0.2 s on a Zen 1, ~1 s on a Zen 2)."""
+    timed: list[LinearBase] = []
+    for layer in layers:
+        if sum(cast(torch.Tensor, t.dense_panels).nbytes for t in timed) >= PANELS_TIMED_BYTES:
+            break
+        timed.append(layer)
+    timings: list[tuple[int, float, float]] = []
+    for m in PANELS_TIMED_ROWS:
+        xs = [torch.randn(m, layer.input_size_per_partition) for layer in timed]
+        best = [math.inf, math.inf]
+        for rep in range(repeats + 1):
+            for i, (kernel, name) in enumerate(((ops.q4_linear, "q4_weight"), (ops.f32_linear, "dense_panels"))):
+                start = time.perf_counter()
+                for x, layer in zip(xs, timed, strict=True):
+                    kernel(x, cast(torch.Tensor, getattr(layer, name)))
+                if rep:
+                    best[i] = min(best[i], time.perf_counter() - start)
+        timings.append((m, best[0], best[1]))
+        if len(timings) >= PANELS_WINS_TO_STOP and all(d <= b for _, b, d in timings[-PANELS_WINS_TO_STOP:]):
+            break
+    return crossover_rows(timings, never=2 * PANELS_TIMED_ROWS[-1])
