@@ -21,7 +21,7 @@ from bench.quant_model import HELD_OUT_TEXT, agreement
 from config.settings import EngineSettings
 from kernels.cpu import load_cpu_ops
 from runtime.layers.linear import LinearBase
-from runtime.layers.quantization import linear_form
+from runtime.layers.quantization import linear_form, q4q8
 from runtime.model_config import ModelConfig
 from runtime.model_executor.model_loader import load_model
 from runtime.layers.quantization import QuantizationName
@@ -132,10 +132,16 @@ def test_an_engine_with_no_flags_serves_the_default_mode(make_engine: Any, token
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
-def test_the_fused_decode_stack_gives_every_decode_step_the_module_paths_bits(make_engine: Any, deterministic: bool) -> None:
+def test_the_fused_decode_stack_gives_every_decode_step_the_module_paths_bits(
+    make_engine: Any, deterministic: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """kernels/cpu/decode_stack.cpp runs a decode batch's 30 layers in one call (with the
     per-query attention kernel under deterministic inference): each step of a staggered
-    batch (sizes 1..5, one request finishing at a time) is run both ways."""
+    batch (sizes 1..5, one request finishing at a time) is run both ways. Where the layers
+    keep float32 panels (AVX2), batches of 3 rows or more take them here (instead of the
+    measured crossover), in the stack as in the module path; under deterministic
+    inference neither takes them for generated tokens."""
+    monkeypatch.setattr(q4q8, "panels_min_rows", 3)
     engine = make_engine(dtype="auto", quantization="auto", max_running_requests=8, enable_deterministic_inference=deterministic)
     model, runner = engine.worker.model, engine.worker
     ops = load_cpu_ops()

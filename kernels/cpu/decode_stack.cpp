@@ -6,13 +6,16 @@
 // and runtime/layers/quantization/q4q8.py's linears):
 //
 //   x = rms_norm(h) (layer 0) | add_rms_norm_(h, residual)      residual += h, in place
-//   qkv = q4_linear(x, qkv); rotary_(qkv, q and k heads)
+//   qkv = linear(x, qkv); rotary_(qkv, q and k heads)
 //   store_kv(k, v at loc); o = paged_decode(q, the pool, kv_idx, lens)
 //       (with token_req: paged_attention(q, the pool, kv_idx, token_req, lens), the
 //        per-query order of deterministic inference)
-//   h = q4_linear(o, o_proj); x = add_rms_norm_(h, residual)
-//   h = q4_linear(silu_mul(q4_linear(x, gate_up)), down)
+//   h = linear(o, o_proj); x = add_rms_norm_(h, residual)
+//   h = linear(silu_mul(linear(x, gate_up)), down)
 //   final: add_rms_norm_(h, residual, final norm)
+//
+// where linear is q4_linear on the layer's Q4 blocks, or f32_linear on its float32 panels
+// from dense_min_rows rows on (where the layers keep panels: q4q8.dense_min_rows),
 //
 // so its output has the same bits as the module path's. What it saves is the Python
 // between the kernels: ~12 module calls and ~20 tensor views per layer, ~2 ms of a
@@ -25,8 +28,14 @@
 
 namespace {
 
+struct Linear {
+  at::Tensor blocks, panels;  // pack_q4 records; pack_f32_panels' panels or an empty tensor
+};
+
 struct Layer {
-  at::Tensor input_norm, post_norm, qkv, o, gate_up, down, k_buf, v_buf;
+  at::Tensor input_norm, post_norm;
+  Linear qkv, o, gate_up, down;
+  at::Tensor k_buf, v_buf;
 };
 
 }  // namespace
@@ -34,15 +43,17 @@ struct Layer {
 class DecodeStack {
  public:
   // Per layer, in order: input norm, post-attention norm (weights), qkv, o, gate_up, down
-  // (pack_q4 records), K and V buffers of the KV pool.
+  // (pack_q4 records), their panels (empty tensors where none), K and V buffers of the KV
+  // pool. Batches of dense_min_rows rows or more take the panels.
   DecodeStack(const std::vector<at::Tensor>& per_layer, at::Tensor final_norm, at::Tensor cos_sin_cache,
-              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps)
+              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
+              int64_t dense_min_rows)
       : final_norm_(std::move(final_norm)), cos_sin_cache_(std::move(cos_sin_cache)), heads_(num_heads),
-        kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps) {
-    TORCH_CHECK(per_layer.size() % 8 == 0, "8 tensors per layer");
-    for (size_t i = 0; i < per_layer.size(); i += 8) {
+        kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps), dense_min_rows_(dense_min_rows) {
+    TORCH_CHECK(per_layer.size() % 12 == 0, "12 tensors per layer");
+    for (size_t i = 0; i < per_layer.size(); i += 12) {
       const auto* t = per_layer.data() + i;
-      layers_.push_back({t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]});
+      layers_.push_back({t[0], t[1], {t[2], t[6]}, {t[3], t[7]}, {t[4], t[8]}, {t[5], t[9]}, t[10], t[11]});
     }
   }
 
@@ -68,7 +79,7 @@ class DecodeStack {
       } else {
         x = add_rms_norm_(h, residual, layer.input_norm, eps_);
       }
-      at::Tensor qkv = q4_linear(x, layer.qkv);
+      at::Tensor qkv = linear(x, layer.qkv);
       rotary_(qkv, positions, cos_sin_cache_, heads_ + kv_heads_, head_dim_);
       at::Tensor q = qkv.narrow(1, 0, q_size).view({n, heads_, head_dim_});
       at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, kv_heads_, head_dim_});
@@ -77,26 +88,32 @@ class DecodeStack {
       at::Tensor o = token_req.has_value()
                          ? paged_attention(q, layer.k_buf, layer.v_buf, kv_idx, *token_req, lens, scale_)
                          : paged_decode(q, layer.k_buf, layer.v_buf, kv_idx, lens, scale_);
-      h = q4_linear(o.view({n, q_size}), layer.o);
+      h = linear(o.view({n, q_size}), layer.o);
       x = add_rms_norm_(h, residual, layer.post_norm, eps_);
-      h = q4_linear(silu_mul(q4_linear(x, layer.gate_up)), layer.down);
+      h = linear(silu_mul(linear(x, layer.gate_up)), layer.down);
     }
     if (!residual.defined()) return rms_norm(h, final_norm_, eps_);
     return add_rms_norm_(h, residual, final_norm_, eps_);
   }
 
  private:
+  at::Tensor linear(const at::Tensor& x, const Linear& w) const {
+    return x.size(0) >= dense_min_rows_ && w.panels.numel() > 0 ? f32_linear(x, w.panels) : q4_linear(x, w.blocks);
+  }
+
   std::vector<Layer> layers_;
   at::Tensor final_norm_, cos_sin_cache_;
   int64_t heads_, kv_heads_, head_dim_;
   double scale_, eps_;
+  int64_t dense_min_rows_;
 };
 
 void bind_decode_stack(py::module& m) {
   py::class_<DecodeStack>(m, "DecodeStack")
-      .def(py::init<const std::vector<at::Tensor>&, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>(),
+      .def(py::init<const std::vector<at::Tensor>&, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double,
+                    int64_t>(),
            py::arg("per_layer"), py::arg("final_norm"), py::arg("cos_sin_cache"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"))
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"), py::arg("dense_min_rows"))
       .def("forward", &DecodeStack::forward, py::arg("h"), py::arg("positions"), py::arg("loc"), py::arg("kv_idx"),
            py::arg("lens"), py::arg("token_req") = py::none(), py::call_guard<py::gil_scoped_release>());
 }

@@ -17,6 +17,7 @@ attention side is the backend's (kernels/attention/torch_native.py).
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
@@ -79,7 +80,8 @@ class FusedDecodeStack:
 
     Only where that call is exactly the module path (`fits`): every linear q4q8 without
     bias, no q/k norm, one rank, float32 activations; and per batch only while the layers'
-    dense copies would not take it (fewer than `dense_min_rows` rows) and the attention
+    dense copies would not take it (fewer than `dense_min_rows` rows; the stack runs the
+    f32_linear panels itself, so with those it takes every size) and the attention
     backend runs one CPU kernel for every token (`decode_attention_plan`: paged_decode, or
     under deterministic inference the per-query kernel, whose q4q8 linears are
     batch-invariant as they are). The KV pool is made after the model: its
@@ -89,7 +91,8 @@ class FusedDecodeStack:
         self.model, self.ops = model, ops
         self._stack: _Stack | None = None
         self._k0: torch.Tensor | None = None  # the pool the stack is bound to (its layer-0 K buffer)
-        self.max_rows = dense_min_rows(_layers(model)[0].self_attn.qkv_proj) - 1  # (one dtype for every layer)
+        first = _layers(model)[0].self_attn.qkv_proj  # (one dense copy for every layer)
+        self.max_rows = sys.maxsize if _panels(first) is not None else dense_min_rows(first) - 1
 
     @staticmethod
     def fits(model: LlamaModel) -> bool:
@@ -114,17 +117,30 @@ class FusedDecodeStack:
 
     def _build(self, k_buffer: list[torch.Tensor], v_buffer: list[torch.Tensor]) -> _Stack:
         per_layer: list[torch.Tensor] = []
+        none = torch.empty(0)
         for i, layer in enumerate(_layers(self.model)):
             attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             per_layer += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            per_layer += [cast(torch.Tensor, m.q4_weight) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            per_layer += [cast(torch.Tensor, m.q4_weight) for m in linears]
+            per_layer += [p if (p := _panels(m)) is not None else none for m in linears]
             per_layer += [k_buffer[i], v_buffer[i]]
         first = _layers(self.model)[0]
         attn = first.self_attn
+        # A generated token takes the blocks under deterministic inference (PromptRows), as
+        # the module path's linears do there: no panels at any size.
+        qkv = attn.qkv_proj
+        min_rows = sys.maxsize if qkv.batch_invariant or _panels(qkv) is None else dense_min_rows(qkv)
         return cast(_Stack, self.ops.DecodeStack(
             per_layer, self.model.norm.weight, self.model.rotary_emb.cos_sin_cache,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scaling, first.input_layernorm.eps,
+            min_rows,
         ))  # fmt: skip
+
+
+def _panels(layer: LinearBase) -> torch.Tensor | None:
+    """The layer's f32_linear panels (int4.keep_dense_copy), if it keeps them."""
+    return cast(torch.Tensor | None, getattr(layer, "dense_panels", None))
 
 
 def make_batch_invariant(model: nn.Module) -> None:
