@@ -218,6 +218,7 @@ def test_the_panels_take_batches_from_the_fewest_rows_that_win_from_there_on() -
     assert q4q8.crossover_rows([(2, 1.0, 0.9), (4, 2.0, 2.5), (6, 3.0, 2.9)], never=256) == 6
     assert q4q8.crossover_rows([(2, 1.0, 0.5), (4, 2.0, 1.0)], never=256) == 2
     assert q4q8.crossover_rows([(2, 1.0, 0.5), (4, 2.0, 2.1)], never=256) == 256
+    assert q4q8.crossover_rows([(2, 1.0, 1.02), (4, 2.0, 1.5)], never=256) == 2  # within TIE: the copy's
 
 
 def test_the_crossover_is_measured_once_a_process_on_the_loaded_layers(

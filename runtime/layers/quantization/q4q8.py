@@ -145,13 +145,19 @@ class Q4Q8LinearMethod(UnquantizedLinearMethod):
         return w.view(n, k)
 
 
+# Timings within this ratio are a tie, which the copy takes: near the crossover the two are
+# within a few percent, and fresh processes' timings there differ by as much (on a Zen 1,
+# 6 to 12 rows measured without it).
+TIE = 1.03
+
+
 def crossover_rows(timings: Sequence[tuple[int, float, float]], never: int) -> int:
-    """The fewest rows from which the dense copy is as fast as the blocks or faster at every
-    larger count timed. `timings`: (rows, blocks' seconds, copy's seconds), rows ascending;
-    `never` where the copy loses at the largest."""
+    """The fewest rows from which the dense copy is as fast as the blocks or faster (TIE)
+    at every larger count timed. `timings`: (rows, blocks' seconds, copy's seconds), rows
+    ascending; `never` where the copy loses at the largest."""
     rows = never
     for m, blocks, dense in reversed(timings):
-        if dense > blocks:
+        if dense > blocks * TIE:
             break
         rows = m
     return rows
@@ -186,6 +192,6 @@ def measure_panels_min_rows(layers: Sequence[LinearBase], ops: CpuOps, repeats: 
                 if rep:
                     best[i] = min(best[i], time.perf_counter() - start)
         timings.append((m, best[0], best[1]))
-        if len(timings) >= PANELS_WINS_TO_STOP and all(d <= b for _, b, d in timings[-PANELS_WINS_TO_STOP:]):
+        if len(timings) >= PANELS_WINS_TO_STOP and all(d <= b * TIE for _, b, d in timings[-PANELS_WINS_TO_STOP:]):
             break
     return crossover_rows(timings, never=2 * PANELS_TIMED_ROWS[-1])
