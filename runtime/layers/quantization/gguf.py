@@ -19,10 +19,11 @@ so a layer is packed whole or float whole, and the float matrix of a packed one 
 never built. A packed layer also keeps a dense copy of its weight (`keep_dense_copy`), which
 big batches (prefill, large decode batches) run through instead: the packed kernels are
 fastest at a few rows and grow linearly with them (int4.dense_matmul: from 24 rows;
-q4q8.dense_min_rows: 32 for bfloat16, 128 for float32). Its dtype is `dense_dtype`'s:
-bfloat16 where bfloat16 matmuls are native (AMX / AVX512-BF16; +2 bytes a weight), else
-float32 through oneDNN (AVX2: its FMA units outrun the Q4 kernel's integer products from
-~128 rows; +4 bytes a weight, so only while the model's copies fit DENSE_FLOAT32_MAX_BYTES).
+q4q8.dense_min_rows: 32 for bfloat16, 128 for oneDNN's float32, measured at load for the
+kernels' float32 panels). Its dtype is `dense_dtype`'s: bfloat16 where bfloat16 matmuls are
+native (AMX / AVX512-BF16; +2 bytes a weight), else float32 (AVX2: its FMA units outrun the
+Q4 kernel's integer products from ~6 rows on a Zen 1, ~48 on a Zen 2; +4 bytes a weight,
+so only while the model's copies fit DENSE_FLOAT32_MAX_BYTES).
 """
 
 from __future__ import annotations

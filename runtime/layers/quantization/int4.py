@@ -130,7 +130,8 @@ def keep_dense_copy(layer: nn.Module, dense: torch.Tensor, ops: CpuOps | None = 
     gguf.dense_dtype). A bfloat16 copy with the CPU kernels (`ops`) on a CPU with AMX-BF16 or
     AVX512-BF16 is kept as their bf16_linear's tiles (`dense_tiles`): float32 out, no casts
     around it; a float32 one, where the kernels' f32_linear has its AVX2 form, as its panels
-    (`dense_panels`: 18-21% faster than oneDNN from 128 rows on a Zen 2, bench/RESULTS.md
+    (`dense_panels`: on SmolLM2's GEMMs ~20% faster than oneDNN at 128-1024 rows on a Zen 2;
+    level with it there on a Zen 1, 10-30% faster from 12 to 96 rows; bench/RESULTS.md
     item 28). Else, on the CPU, in oneDNN's blocked layout (`dense_packed`): F.linear on a
     plain weight re-packs that weight on every call.
     SmolLM2's 120 GEMMs at 64 / 256 / 1024 rows: plain 25-27 / 58-68 / 160-242 ms, packed
