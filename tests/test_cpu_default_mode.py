@@ -104,7 +104,10 @@ def test_the_default_model_agrees_with_float32_teacher_forced(model_dir: Path, t
     ref = teacher_forced(load_model(model_dir, config, "auto", "cpu", seed=None), config, windows)
     model = load_model(model_dir, config, "auto", "cpu", seed=None, quantization="gguf", cpu_ops=ops)
     stack = {"decode_stack": 1} if ops.q4_linear_isa() else {}  # q4q8 linears: the layers fuse into one call
-    assert bind_cpu_ops(model, ops) == {"LlamaAttention": 30, "SiluAndMulMLP": 30, "RMSNorm": 61, "q8_lm_head": 1, **stack}
+    # beside float32 panels (AVX2 without native bf16) the head keeps its own
+    head = {"lm_head_panels": 1} if any(hasattr(m, "dense_panels") for m in model.modules()) else {}
+    expected = {"LlamaAttention": 30, "SiluAndMulMLP": 30, "RMSNorm": 61, "q8_lm_head": 1, **stack, **head}
+    assert bind_cpu_ops(model, ops) == expected
     top1, dlogprob = agreement(teacher_forced(model, config, windows), ref)
     print(f"default vs float32 over {len(ids)} tokens: top-1 {top1:.3f}, mean |delta logprob| {dlogprob:.4f}")
     assert top1 >= 0.98 and dlogprob <= 0.015, (top1, dlogprob)
@@ -129,6 +132,32 @@ def test_an_engine_with_no_flags_serves_the_default_mode(make_engine: Any, token
     out = engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
     assert "Paris" in out["text"], out["text"]
     assert_all_memory_free(engine)
+
+
+def test_the_lm_head_takes_its_panels_from_the_measured_rows_but_not_under_deterministic_inference(
+    make_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beside q4q8 linears with float32 panels, the Q8_0 head keeps panels of its exact
+    weights too: f32_linear (float32 activations) from the measured row count, the Q8
+    blocks (16-bit fixed-point activations) below it, and always the blocks where a row's
+    kernel must not depend on the batch."""
+    engine = make_engine(dtype="auto", quantization="auto")
+    model = engine.worker.model
+    head, ops = model.logits_processor, load_cpu_ops()
+    assert (head.panels is not None) == any(hasattr(m, "dense_panels") for m in model.modules())
+    if head.panels is None or ops is None:
+        pytest.skip("no float32 panels here (native bf16 copies, or no AVX2 kernels)")
+    torch.manual_seed(11)
+    hidden = torch.randn(head.panels_min_rows + 3, model.lm_head.weight.shape[1])
+    with torch.no_grad():
+        full = head(hidden, model.lm_head)
+        assert torch.equal(full, ops.f32_linear(hidden, head.panels))
+        torch.testing.assert_close(full.double(), hidden.double() @ model.lm_head.weight.double().T, rtol=1e-5, atol=1e-4)
+        if head.panels_min_rows > 1:
+            few = hidden[: head.panels_min_rows - 1]
+            assert torch.equal(head(few, model.lm_head), ops.q8_linear_vnni(few, head.q8_vnni))
+        monkeypatch.setattr(head, "batch_invariant", True)
+        assert torch.equal(head(hidden, model.lm_head), ops.q8_linear_vnni(hidden, head.q8_vnni))
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])

@@ -29,13 +29,20 @@ class LogitsProcessor(nn.Module):
         # or, beside q4q8 linears, only pack_q8_vnni's records of those blocks (`q8` is then
         # None: its 31 MB would be dead weight)
         self.q8_vnni: torch.Tensor | None = None
+        # and, beside q4q8 linears with float32 panels, the head's own (pack_f32_panels), which
+        # f32_linear runs from `panels_min_rows` rows on (not under deterministic inference:
+        # a row's kernel would depend on the batch)
+        self.panels: torch.Tensor | None = None
+        self.panels_min_rows = 0
         self.batch_invariant = False
 
     def forward(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding) -> torch.Tensor:
         """`[T, hidden]` -> `[T, vocab]` float32. Each rank computes its vocab shard's
         logits; the all-gather concatenates them in rank order (= vocab order), so every
         rank, rank 0's sampler included, sees the whole row. Padding columns are cut."""
-        if self.ops is not None and self.q8_vnni is not None:
+        if self.ops is not None and self.panels is not None and not self.batch_invariant and hidden.shape[0] >= self.panels_min_rows:
+            local = self.ops.f32_linear(hidden.float(), self.panels)
+        elif self.ops is not None and self.q8_vnni is not None:
             local = self.ops.q8_linear_vnni(hidden.float(), self.q8_vnni)
         elif self.ops is not None and self.q8 is not None:
             local = self.ops.q8_linear(hidden.float(), self.q8.qw, self.q8.scales)

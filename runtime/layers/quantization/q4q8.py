@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
@@ -170,28 +170,39 @@ PANELS_TIMED_BYTES = 64 << 20
 PANELS_WINS_TO_STOP = 3
 
 
-def measure_panels_min_rows(layers: Sequence[LinearBase], ops: CpuOps, repeats: int = 2) -> int:
-    """Time the first of `layers` (q4q8 linears with panels, in model order) that hold
-    PANELS_TIMED_BYTES of panels, on the blocks and on the panels, at PANELS_TIMED_ROWS
-    ascending, the two interleaved, best of `repeats` after a warm-up; their crossover_rows
-    (SmolLM2 on 2 cores: ~0.2 s on a Zen 1, ~1 s on a Zen 2)."""
-    timed: list[LinearBase] = []
-    for layer in layers:
-        if sum(cast(torch.Tensor, t.dense_panels).nbytes for t in timed) >= PANELS_TIMED_BYTES:
-            break
-        timed.append(layer)
+def time_crossover(calls: Callable[[int], tuple[Callable[[], object], Callable[[], object]]], repeats: int = 2) -> int:
+    """crossover_rows of two kernels timed here at PANELS_TIMED_ROWS ascending: `calls(m)`
+    gives the blocks' and the copy's call on m rows (inputs made once), run interleaved,
+    best of `repeats` after a warm-up, stopping after PANELS_WINS_TO_STOP wins in a row."""
     timings: list[tuple[int, float, float]] = []
     for m in PANELS_TIMED_ROWS:
-        xs = [torch.randn(m, layer.input_size_per_partition) for layer in timed]
+        pair = calls(m)
         best = [math.inf, math.inf]
         for rep in range(repeats + 1):
-            for i, (kernel, name) in enumerate(((ops.q4_linear, "q4_weight"), (ops.f32_linear, "dense_panels"))):
+            for i, call in enumerate(pair):
                 start = time.perf_counter()
-                for x, layer in zip(xs, timed, strict=True):
-                    kernel(x, cast(torch.Tensor, getattr(layer, name)))
+                call()
                 if rep:
                     best[i] = min(best[i], time.perf_counter() - start)
         timings.append((m, best[0], best[1]))
         if len(timings) >= PANELS_WINS_TO_STOP and all(d <= b * TIE for _, b, d in timings[-PANELS_WINS_TO_STOP:]):
             break
     return crossover_rows(timings, never=2 * PANELS_TIMED_ROWS[-1])
+
+
+def measure_panels_min_rows(layers: Sequence[LinearBase], ops: CpuOps, repeats: int = 2) -> int:
+    """time_crossover of the first of `layers` (q4q8 linears with panels, in model order)
+    that hold PANELS_TIMED_BYTES of panels, on their blocks and on their panels (SmolLM2 on
+    2 cores: ~0.2-0.4 s on a Zen 1, ~1 s on a Zen 2)."""
+    timed: list[LinearBase] = []
+    for layer in layers:
+        if sum(cast(torch.Tensor, t.dense_panels).nbytes for t in timed) >= PANELS_TIMED_BYTES:
+            break
+        timed.append(layer)
+
+    def calls(m: int) -> tuple[Callable[[], object], Callable[[], object]]:
+        xs = [torch.randn(m, layer.input_size_per_partition) for layer in timed]
+        pairs = [(x, cast(torch.Tensor, t.q4_weight), cast(torch.Tensor, t.dense_panels)) for x, t in zip(xs, timed, strict=True)]
+        return (lambda: [ops.q4_linear(x, q4) for x, q4, _ in pairs]), (lambda: [ops.f32_linear(x, p) for x, _, p in pairs])
+
+    return time_crossover(calls, repeats)
