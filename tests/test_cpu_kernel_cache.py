@@ -52,3 +52,30 @@ def test_a_build_killed_midway_does_not_hang_the_next_start(tmp_path: Path) -> N
     thread.join(timeout=120)  # a deadlock detector, not a speed bound
     assert entered.is_set(), "the build guard outlived its killed holder"
     assert not (tmp_path / "lock").exists()
+
+
+def test_two_checkouts_of_the_same_sources_build_from_the_same_paths(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """ninja rebuilds when a compile command changes, and the command names the sources'
+    paths: two checkouts (a CI clone beside a working tree) must hand it the same ones,
+    untouched, or each start rebuilds the other's kernels."""
+    checkouts = []
+    for name in ("a", "b"):
+        d = tmp_path / name
+        d.mkdir()
+        for p in [*cpu._SOURCES, *cpu._HEADERS]:
+            (d / p.name).write_bytes(p.read_bytes())
+        checkouts.append(d)
+    build_dir = tmp_path / "build"
+    build_dir.mkdir()
+    staged = []
+    for d in checkouts:
+        monkeypatch.setattr(cpu, "_SOURCES", sorted(d.glob("*.cpp")))
+        monkeypatch.setattr(cpu, "_HEADERS", sorted(d.glob("*.h")))
+        staged.append(cpu._stage_sources(build_dir))
+        if len(staged) == 1:
+            mtimes = {p: p.stat().st_mtime_ns for p in (build_dir / "src").iterdir()}
+    assert staged[0] == staged[1] and all(p.parent == build_dir / "src" for p in staged[0])
+    assert {p.name for p in staged[0]} == {p.name for p in cpu._SOURCES}
+    assert {p: p.stat().st_mtime_ns for p in (build_dir / "src").iterdir()} == mtimes, "an unchanged source was rewritten"
+    for p in (build_dir / "src").iterdir():
+        assert p.read_bytes() == (checkouts[0] / p.name).read_bytes()

@@ -144,6 +144,22 @@ def _exclusive_build(build_dir: Path) -> Iterator[None]:
         yield
 
 
+def _stage_sources(build_dir: Path) -> list[Path]:
+    """The sources, copied into `build_dir/src`; the .cpp paths to build. ninja rebuilds
+    when a compile command changes, and the command names each source's path: two
+    checkouts of the same code (a CI clone beside a working tree) building from their
+    own paths would rebuild each other's kernels on every start. From here every
+    checkout with these contents (the directory's key) names the same paths."""
+    src = build_dir / "src"
+    src.mkdir(exist_ok=True)
+    for p in [*_SOURCES, *_HEADERS]:
+        staged = src / p.name
+        data = p.read_bytes()
+        if not staged.is_file() or staged.read_bytes() != data:  # rewriting would touch its mtime
+            staged.write_bytes(data)
+    return [src / p.name for p in _SOURCES]
+
+
 def load_cpu_ops() -> CpuOps | None:
     """The compiled extension, built on first use (then cached per CPU), or None."""
     if "ops" not in _loaded:
@@ -159,7 +175,7 @@ def load_cpu_ops() -> CpuOps | None:
             with _exclusive_build(build_dir):
                 module = load(
                     name="sluice_cpu_ops",
-                    sources=[str(p) for p in _SOURCES],
+                    sources=[str(p) for p in _stage_sources(build_dir)],
                     build_directory=str(build_dir),
                     extra_cflags=CFLAGS,
                     extra_ldflags=["-fopenmp"],
