@@ -136,7 +136,8 @@ class EngineSettings:
     node_rank: int = knob(0, "This node's index. Node 0 serves HTTP and runs rank 0; the others run workers only.")
     dist_timeout: float = knob(
         60.0, "Seconds a collective may wait for a rank before the group is declared dead (a hung or "
-        "killed rank turns the server unhealthy and makes it exit non-zero)."
+        "killed rank turns the server unhealthy and makes it exit non-zero). The ranks' rendezvous at "
+        "start-up waits longer: up to max(dist_timeout, 600) s."
     )
     num_threads: int | None = knob(
         None, "torch intra-op threads on CPU. Default: the cores this process may run on (its CPU affinity), "

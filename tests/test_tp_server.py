@@ -133,16 +133,16 @@ def test_tp_size_the_heads_do_not_allow_is_refused_at_startup(servers: list[Serv
 def test_a_hung_worker_rank_is_found_by_the_heartbeat_while_idle(checkpoint: Path, servers: list[ServerProcess]) -> None:
     """A rank that stops answering (SIGSTOP) with no traffic at all: the idle heartbeat's
     all-reduce times out after --dist-timeout, and the server turns 503 and exits non-zero."""
-    # (--dist-timeout also bounds the ranks' rendezvous: on a Zen 1 EPYC a rank process took
-    # over 4 s to start and join)
-    server = ServerProcess("--model-path", str(checkpoint), "--tp-size", "2", "--dist-timeout", "10").start()
+    # A short --dist-timeout: it bounds collectives only, not the ranks' rendezvous (on a
+    # Zen 1 EPYC a rank process takes over 4 s to start and join).
+    server = ServerProcess("--model-path", str(checkpoint), "--tp-size", "2", "--dist-timeout", "4").start()
     servers.append(server)
     server.wait_ready()
     assert server.proc is not None
     (worker,) = _worker_ranks(server.proc.pid)
     os.kill(worker, signal.SIGSTOP)
     try:
-        # heartbeat every dist_timeout / 4 = 2.5 s, then up to 10 s for its all-reduce to time out
+        # heartbeat every dist_timeout / 4 = 1 s, then up to 4 s for its all-reduce to time out
         poll_until(lambda: _health_is_503(server), timeout=30, what="/health to turn 503 after a rank hung")
         assert server.wait_exit(60) != 0, server.log_tail()
     finally:

@@ -24,19 +24,46 @@ class TPInfo:
 
 _TP = TPInfo(rank=0, size=1, device=torch.device("cpu"))
 
+# How long the ranks may take to meet. Rank 0's store waits for processes that are still
+# importing torch and loading a shard (seconds on a slow CPU) or for nodes started by hand,
+# so the rendezvous has its own, longer bound than a collective's.
+RENDEZVOUS_TIMEOUT_S = 600.0
+
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float) -> None:
     """Join the group of `size` ranks rendezvousing at `init_method` (tcp://host:port).
 
     `timeout_s` bounds every collective: a rank that dies or hangs makes the others'
-    next collective raise instead of waiting forever."""
+    next collective raise instead of waiting forever. Meeting the other ranks may take
+    up to max(timeout_s, RENDEZVOUS_TIMEOUT_S)."""
     global _TP
     if size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
+        host, port = _host_port(init_method)
+        store = dist.TCPStore(
+            host, port, world_size=size, is_master=rank == 0,
+            timeout=datetime.timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S)),
         )
+        try:
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
+            )
+        except BaseException:
+            # A group that failed half-built still advanced torch's group counter, which
+            # names the store keys ("0", "1", ...): a later group in this process would wait
+            # on keys a fresh rank never writes. Every rank of a new group starts at 0.
+            if not dist.is_initialized():
+                dist.distributed_c10d._world.group_count = 0
+            raise
     _TP = TPInfo(rank, size, device)
+
+
+def _host_port(init_method: str) -> tuple[str, int]:
+    """tcp://HOST:PORT (HOST may be a bracketed IPv6 address) -> (HOST, PORT)."""
+    if not init_method.startswith("tcp://"):
+        raise ValueError(f"{init_method!r}: the tensor-parallel rendezvous must be tcp://HOST:PORT")
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 def destroy_tensor_parallel(abandon: bool = False) -> None:
