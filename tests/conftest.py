@@ -90,6 +90,12 @@ class HFOracle:
     def logprobs_after(self, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(self.model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
 
+    @torch.inference_mode()
+    def logprobs_along(self, prompt: list[int], answer: list[int]) -> torch.Tensor:
+        """Row j: `logprobs_after(prompt + answer[:j])`, for every j, from one forward."""
+        logits = self.model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : len(prompt) + len(answer) - 1]
+        return torch.log_softmax(logits.float(), dim=-1)
+
 
 @pytest.fixture(scope="session")
 def hf_oracle(model_dir: Path) -> HFOracle:
