@@ -5,22 +5,21 @@ with a missing rank fails after `dist_timeout` instead of waiting forever."""
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 import traceback
 from pathlib import Path
 
-import torch
-import torch.multiprocessing as mp
-
 import pytest
+import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from runtime.distributed.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
     tensor_model_parallel_all_reduce,
 )
+from tests.server_helpers import free_port
 
 TIMEOUT_S = 1.0  # a collective's bound
 LATE_S = 4 * TIMEOUT_S  # how late rank 1 joins
@@ -51,12 +50,6 @@ def _rank_main(rank: int, init_method: str, workdir: str) -> None:
         raise
 
 
-def _free_init_method() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
 def _spawn(target: object, *args: object) -> mp.Process:
     proc = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
     proc.start()
@@ -75,7 +68,7 @@ def _join(procs: list[mp.Process]) -> None:
 
 
 def test_a_late_rank_joins_and_a_missing_rank_fails_the_collective(tmp_path: Path) -> None:
-    init_method = _free_init_method()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     procs = [_spawn(_rank_main, r, init_method, str(tmp_path)) for r in range(2)]
     _join(procs)
     results = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
@@ -84,10 +77,9 @@ def test_a_late_rank_joins_and_a_missing_rank_fails_the_collective(tmp_path: Pat
     assert [p.exitcode for p in procs] == [0, 0]
 
 
-def _rank1_leaves_after_the_store(init_method: str) -> None:
+def _rank1_leaves_after_the_store(port: int) -> None:
     """Rank 1 reaches the rendezvous, then dies before the group is built."""
-    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
-    dist.TCPStore(host, int(port), world_size=2, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.TCPStore("127.0.0.1", port, world_size=2, is_master=False, timeout=datetime.timedelta(seconds=60))
 
 
 def _rank1_all_reduces(init_method: str) -> None:
@@ -99,13 +91,15 @@ def _rank1_all_reduces(init_method: str) -> None:
 def test_a_group_that_failed_to_build_does_not_break_the_next_one_in_the_process() -> None:
     """An offline `Engine(tp_size=2)` whose rank died while starting is followed by one that
     works, in the same process (rank 0 is this test's process)."""
-    init_method = _free_init_method()
-    dead = _spawn(_rank1_leaves_after_the_store, init_method)
-    with pytest.raises(RuntimeError):
-        init_tensor_parallel(0, 2, init_method, torch.device("cpu"), timeout_s=TIMEOUT_S)
-    _join([dead])
+    port = free_port()
+    dead = _spawn(_rank1_leaves_after_the_store, port)
+    try:
+        with pytest.raises(RuntimeError):
+            init_tensor_parallel(0, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=TIMEOUT_S)
+    finally:
+        _join([dead])
 
-    init_method = _free_init_method()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     live = _spawn(_rank1_all_reduces, init_method)
     try:
         init_tensor_parallel(0, 2, init_method, torch.device("cpu"), timeout_s=30)
