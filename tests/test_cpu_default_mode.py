@@ -170,7 +170,8 @@ def test_the_fused_decode_stack_gives_every_decode_step_the_module_paths_bits(
     keep float32 panels (AVX2), batches of 3 rows or more take them here (instead of the
     measured crossover), in the stack as in the module path; under deterministic
     inference neither takes them for generated tokens."""
-    monkeypatch.setattr(q4q8, "panels_min_rows", 3)
+    monkeypatch.setattr(q4q8, "measured_crossovers", {})
+    monkeypatch.setattr(q4q8, "measure_panels_min_rows", lambda layers, ops, repeats=2: 3)
     engine = make_engine(dtype="auto", quantization="auto", max_running_requests=8, enable_deterministic_inference=deterministic)
     model, runner = engine.worker.model, engine.worker
     ops = load_cpu_ops()

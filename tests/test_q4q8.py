@@ -167,7 +167,6 @@ def test_without_native_bf16_a_model_over_the_float32_budget_keeps_no_dense_copy
     torch.manual_seed(5)
     weight = gguf_weight(torch.randn(192, 576) * 0.02, "Q4_1")
     monkeypatch.setattr(gguf, "DENSE_FLOAT32_MAX_BYTES", 4 * 192 * 576 - 1)
-    monkeypatch.setattr(q4q8, "panels_min_rows", None)  # not measured yet (an engine of this process may have)
     layer = gguf_layer(ColumnParallelLinear(576, 192), {None: weight}, cpu_ops)
     assert not any(hasattr(layer, name) for name in DENSE_COPIES)
     big = torch.randn(max(DENSE_MIN_ROWS_FLOAT32, DENSE_MIN_ROWS_PANELS) + 9, 576)
@@ -222,29 +221,46 @@ def test_the_panels_take_batches_from_the_fewest_rows_that_win_from_there_on() -
     assert q4q8.crossover_rows([(2, 1.0, 1.02), (4, 2.0, 1.5)], never=256) == 2  # within TIE: the copy's
 
 
-def test_the_crossover_is_measured_once_a_process_on_the_loaded_layers(
+def test_the_crossover_is_measured_once_a_model_shape_on_its_own_layers(
     cpu_ops: CpuOps, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each load settles its layers' crossover: measured on its own weights the first time
+    a model of those shapes loads in the process, reused by the next load of the same
+    shapes, measured again for a differently shaped model (its row count, not the first's)."""
     if native_bf16_matmul(torch.device("cpu")) or not cpu_ops.q4_linear_isa() or not cpu_ops.f32_linear_isa():
         pytest.skip("float32 panels are kept only beside Q4 blocks on AVX2 CPUs without native bf16")
-    model = torch.nn.Module()
-    model.layers = torch.nn.ModuleList(
-        gguf_layer(ColumnParallelLinear(576, 192), {None: gguf_weight(torch.randn(192, 576) * 0.02, "Q4_1")}, cpu_ops)
-        for _ in range(2)
-    )
-    monkeypatch.setattr(q4q8, "panels_min_rows", None)
-    timed: list[int] = []
+
+    def model_of(n: int, k: int) -> torch.nn.Module:
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList(
+            gguf_layer(ColumnParallelLinear(k, n), {None: gguf_weight(torch.randn(n, k) * 0.02, "Q4_1")}, cpu_ops)
+            for _ in range(2)
+        )
+        return model
+
+    model = model_of(192, 576)
+    monkeypatch.setattr(q4q8, "measured_crossovers", {})
+    timed: list[tuple[int, ...]] = []
     measure = q4q8.measure_panels_min_rows
 
     def counted(layers: Any, ops: CpuOps, repeats: int = 2) -> int:
-        timed.append(len(layers))
+        timed.append(tuple(layer.output_size_per_partition for layer in layers))
         return measure(layers, ops, repeats)
 
     monkeypatch.setattr(q4q8, "measure_panels_min_rows", counted)
+    assert all(dense_min_rows(layer) == DENSE_MIN_ROWS_PANELS for layer in model.layers)  # until settled
     rows = settle_dense_min_rows(model, cpu_ops)
-    assert timed == [2] and rows in (*q4q8.PANELS_TIMED_ROWS, 2 * q4q8.PANELS_TIMED_ROWS[-1])
+    assert timed == [(192, 192)] and rows in (*q4q8.PANELS_TIMED_ROWS, 2 * q4q8.PANELS_TIMED_ROWS[-1])
     assert all(dense_min_rows(layer) == rows for layer in model.layers)
-    assert settle_dense_min_rows(model, cpu_ops) == rows and timed == [2]  # reused, not re-measured
+    again = model_of(192, 576)
+    assert settle_dense_min_rows(again, cpu_ops) == rows and timed == [(192, 192)]  # reused, not re-measured
+    assert all(dense_min_rows(layer) == rows for layer in again.layers)
+    # A differently shaped model: its own measurement, whatever it finds; the first keeps its rows.
+    monkeypatch.setattr(q4q8, "measure_panels_min_rows", lambda layers, ops, repeats=2: timed.append((0,)) or 7)
+    other = model_of(64, 256)
+    assert settle_dense_min_rows(other, cpu_ops) == 7 and timed[-1] == (0,)
+    assert all(dense_min_rows(layer) == 7 for layer in other.layers)
+    assert all(dense_min_rows(layer) == rows for layer in model.layers)
     # From there on the layer takes the panels: the float32 product, not the blocks'.
     x = torch.randn(rows, 576)
     with torch.no_grad():

@@ -270,7 +270,7 @@ def load_model(
     model.load_weights(weights)
     forms = quantize_linear_layers(model, quantization)
     if quantization == "gguf":
-        panels_from = settle_dense_min_rows(model, cpu_ops)  # (measured: ~0.2-1 s, once a process)
+        panels_from = settle_dense_min_rows(model, cpu_ops)  # (measured: ~0.2-1 s, once a model shape a process)
         log.info("GGUF blocks loaded into the linear layers", gguf=str(gguf_path), layers=dict(forms),
                  dense_path=dense_path(model, cpu_ops), panels_min_rows=panels_from,
                  seconds=round(time.monotonic() - start, 2))  # fmt: skip

@@ -33,7 +33,7 @@ from runtime.layers.logits_processor import LogitsProcessor
 from runtime.layers.quantization import linear_layers
 from runtime.layers.quantization.gguf import DENSE_FLOAT32_MAX_BYTES
 from runtime.layers.quantization.int4 import pack_f32_panels
-from runtime.layers.quantization.q4q8 import Q4Q8LinearMethod, dense_min_rows, time_crossover
+from runtime.layers.quantization.q4q8 import Q4Q8LinearMethod, crossover_for, dense_min_rows, time_crossover
 from runtime.layers.quantization.q8 import pack_q8_exact, pack_q8_vnni
 from runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
@@ -72,31 +72,25 @@ def bind_cpu_ops(model: nn.Module, ops: CpuOps) -> dict[str, int]:
     return bound
 
 
-# The LM head's panels' crossover with its Q8 blocks, measured once a process.
-head_panels_min_rows: int | None = None
-
-
 def keep_head_panels(model: LlamaForCausalLM, ops: CpuOps) -> bool:
     """Beside q4q8 linears that keep float32 panels, give the LM head its own where all the
     copies fit gguf.DENSE_FLOAT32_MAX_BYTES, taken from a row count measured here (the Q8
     blocks' integer products are compute-bound from a few rows on AVX2: SmolLM2's head at 16
     rows took 18.4 ms on them, 14.3 on the panels, on a Zen 1; bench/RESULTS.md item 28)."""
-    global head_panels_min_rows
     processor, weight = model.logits_processor, model.lm_head.weight.data
     copies = sum(cast(torch.Tensor, m.dense_panels).nbytes for m in linear_layers(model) if hasattr(m, "dense_panels"))
     q8 = processor.q8_vnni
     if not copies or q8 is None or weight.shape[0] % 16 or copies + 4 * weight.numel() > DENSE_FLOAT32_MAX_BYTES:
         return False
     panels = pack_f32_panels(weight.float())
-    if head_panels_min_rows is None:
 
-        def calls(m: int) -> tuple[Callable[[], object], Callable[[], object]]:
-            x = torch.randn(m, weight.shape[1])
-            return (lambda: ops.q8_linear_vnni(x, q8)), (lambda: ops.f32_linear(x, panels))
+    def calls(m: int) -> tuple[Callable[[], object], Callable[[], object]]:
+        x = torch.randn(m, weight.shape[1])
+        return (lambda: ops.q8_linear_vnni(x, q8)), (lambda: ops.f32_linear(x, panels))
 
-        head_panels_min_rows = time_crossover(calls)
-    processor.panels, processor.panels_min_rows = panels, head_panels_min_rows
-    log.info("LM head keeps float32 panels", panels_min_rows=head_panels_min_rows)
+    rows = crossover_for(("q8-head/f32-panels", tuple(weight.shape)), lambda: time_crossover(calls))
+    processor.panels, processor.panels_min_rows = panels, rows
+    log.info("LM head keeps float32 panels", panels_min_rows=rows)
     return True
 
 

@@ -19,8 +19,9 @@ The embedding and the LM head are not `LinearBase` and stay float (the LM head's
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
+import torch
 from torch import nn
 
 from runtime.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
@@ -106,14 +107,18 @@ def dense_path(model: nn.Module, ops: CpuOps | None) -> str:
 
 def settle_dense_min_rows(model: nn.Module, ops: CpuOps | None) -> int | None:
     """Where `model`'s q4q8 layers keep float32 panels: the rows from which they take them,
-    measured here once a process (q4q8.measure_panels_min_rows; later loads reuse it).
+    measured here on the model's own layers (q4q8.measure_panels_min_rows; a later load of
+    the same shapes in this process reuses it) and set on each as `panels_min_rows`.
     None where no layer has panels."""
     layers = [m for m in linear_layers(model) if isinstance(m.quant_method, Q4Q8LinearMethod) and hasattr(m, "dense_panels")]
     if not layers or ops is None:
         return None
-    if q4q8.panels_min_rows is None:
-        q4q8.panels_min_rows = q4q8.measure_panels_min_rows(layers, ops)
-    return q4q8.panels_min_rows
+    timed = q4q8.panels_timed(layers)
+    key = ("q4-blocks/f32-panels", *(tuple(cast(torch.Tensor, m.dense_panels).shape) for m in timed))
+    rows = q4q8.crossover_for(key, lambda: q4q8.measure_panels_min_rows(timed, ops))
+    for layer in layers:
+        layer.panels_min_rows = rows
+    return rows
 
 
 def quantize_linear_layers(model: nn.Module, name: QuantizationName) -> Counter[str]:

@@ -59,17 +59,28 @@ DENSE_MIN_ROWS_FLOAT32 = 128
 # 53.2 ms at 32 rows and 80.1 vs 67.6 at 48 on an AMD EPYC Zen 2 (two 256-bit FMAs a cycle),
 # but 30.7 vs 28.2 at 6 rows and 73.3 vs 55.4 at 16 on a Zen 1, whose 256-bit integer and
 # FMA instructions run as two 128-bit halves (bench/RESULTS.md item 28). So it is measured
-# on the machine, once a process (measure_panels_min_rows), at these row counts; this is
-# the rows used until then.
+# on the machine at load (measure_panels_min_rows), at these row counts, and kept on each
+# layer as `panels_min_rows`; a layer not yet settled uses DENSE_MIN_ROWS_PANELS.
 PANELS_TIMED_ROWS = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 DENSE_MIN_ROWS_PANELS = 64
-panels_min_rows: int | None = None  # measured (quantization.settle_dense_min_rows)
+
+# Crossovers measured in this process, by what was timed (the kernel pair and the shapes of
+# the weights timed): another engine of the same model reuses its row count, a differently
+# shaped model is measured on its own weights.
+measured_crossovers: dict[tuple[object, ...], int] = {}
+
+
+def crossover_for(key: tuple[object, ...], measure: Callable[[], int]) -> int:
+    """`measured_crossovers[key]`, measured by `measure` the first time it is asked for."""
+    if key not in measured_crossovers:
+        measured_crossovers[key] = measure()
+    return measured_crossovers[key]
 
 
 def dense_min_rows(layer: torch.nn.Module) -> int:
     """From how many rows `layer`'s dense copy takes a batch (the blocks take fewer)."""
     if hasattr(layer, "dense_panels"):
-        return DENSE_MIN_ROWS_PANELS if panels_min_rows is None else panels_min_rows
+        return cast(int, getattr(layer, "panels_min_rows", DENSE_MIN_ROWS_PANELS))
     packed = getattr(layer, "dense_packed", None)
     return DENSE_MIN_ROWS_FLOAT32 if packed is not None and packed.dtype == torch.float32 else DENSE_MIN_ROWS
 
@@ -190,15 +201,20 @@ def time_crossover(calls: Callable[[int], tuple[Callable[[], object], Callable[[
     return crossover_rows(timings, never=2 * PANELS_TIMED_ROWS[-1])
 
 
-def measure_panels_min_rows(layers: Sequence[LinearBase], ops: CpuOps, repeats: int = 2) -> int:
-    """time_crossover of the first of `layers` (q4q8 linears with panels, in model order)
-    that hold PANELS_TIMED_BYTES of panels, on their blocks and on their panels (SmolLM2 on
-    2 cores: ~0.2-0.4 s on a Zen 1, ~1 s on a Zen 2)."""
+def panels_timed(layers: Sequence[LinearBase]) -> list[LinearBase]:
+    """The first of `layers` (q4q8 linears with panels, in model order) that hold
+    PANELS_TIMED_BYTES of panels: what measure_panels_min_rows times."""
     timed: list[LinearBase] = []
     for layer in layers:
         if sum(cast(torch.Tensor, t.dense_panels).nbytes for t in timed) >= PANELS_TIMED_BYTES:
             break
         timed.append(layer)
+    return timed
+
+
+def measure_panels_min_rows(timed: Sequence[LinearBase], ops: CpuOps, repeats: int = 2) -> int:
+    """time_crossover of `timed` (panels_timed's layers) on their blocks and on their
+    panels (SmolLM2 on 2 cores: ~0.2-0.4 s on a Zen 1, ~1 s on a Zen 2)."""
 
     def calls(m: int) -> tuple[Callable[[], object], Callable[[], object]]:
         xs = [torch.randn(m, layer.input_size_per_partition) for layer in timed]
