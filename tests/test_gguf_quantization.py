@@ -93,6 +93,20 @@ def test_int4_planes_are_exactly_ggufs_own_dequantization(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", TYPES)
+def test_int4_planes_dequantize_exactly_at_every_magnitude(kind: str) -> None:
+    """Rows from 1e-5 to 1e2, offset rows (Q4_1's m far from its d): the float32 path a
+    Q4 plane takes (exact products, one rounded add) gives the bits of the planes' sum
+    in float64 rounded once."""
+    torch.manual_seed(1)
+    rows = torch.randn(64, 512) * torch.logspace(-5, 2, 64)[:, None] + torch.logspace(-3, 1, 64).flip(0)[:, None]
+    planes = gguf_weight(rows, kind).int4_planes()
+    p, n, k = planes.q.shape
+    groups = planes.q.double().view(p, n, k // 32, 32) - 8
+    exact = (groups * planes.scale.double()[..., None] + planes.zero.double()[..., None]).sum(0).view(n, k)
+    assert torch.equal(planes.dequantize(), exact.float())
+
+
+@pytest.mark.parametrize("kind", TYPES)
 def test_rows_and_aligned_columns_narrow_without_reading_the_rest(kind: str) -> None:
     weight = gguf_weight(torch.randn(64, 256), kind)
     part = weight.narrow(0, 16, 32).narrow(1, 64, 128)
