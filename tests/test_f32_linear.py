@@ -78,3 +78,37 @@ def test_the_engine_form_exactly_where_the_cpu_has_avx2_and_no_avx512(cpu_ops: C
         pytest.skip("no /proc/cpuinfo to read the CPU flags from")
     avx512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags
     assert cpu_ops.f32_linear_isa() == ("avx2" if not avx512 and {"avx2", "fma"} <= flags else "")
+
+
+def test_unquantized_float32_linears_move_onto_the_panels_where_the_kernel_has_avx2(cpu_ops: CpuOps) -> None:
+    """runtime.models.cpu_path.use_f32_panels: a float32 linear whose output rows are whole
+    panels computes on them (the plain weight goes, the panels hold it exactly), with its
+    bias and any leading dims; other rows counts and dtypes keep F.linear."""
+    from runtime.layers.linear import ColumnParallelLinear, F32PanelsLinearMethod, UnquantizedLinearMethod
+    from runtime.layers.quantization import linear_form
+    from runtime.models.cpu_path import use_f32_panels
+
+    torch.manual_seed(4)
+    model = torch.nn.Module()
+    model.a = ColumnParallelLinear(576, 192, bias=True)
+    model.odd = ColumnParallelLinear(64, 40)  # 40 rows: no whole panels
+    model.bf16 = ColumnParallelLinear(64, 32)
+    for layer in (model.a, model.odd, model.bf16):
+        torch.nn.init.normal_(layer.weight, std=0.05)
+    model.bf16.weight.data = model.bf16.weight.data.bfloat16()
+    torch.nn.init.normal_(model.a.bias)
+    weight, bias = model.a.weight.detach().clone(), model.a.bias.detach().clone()
+    moved = use_f32_panels(model, cpu_ops)
+    if not cpu_ops.f32_linear_isa():
+        assert moved == 0 and all(type(m.quant_method) is UnquantizedLinearMethod for m in (model.a, model.odd))
+        return
+    assert moved == 1 and linear_form(model.a) == "float-panels" and not hasattr(model.a, "weight")
+    assert linear_form(model.odd) == "float" and linear_form(model.bf16) == "float"
+    method = model.a.quant_method
+    assert isinstance(method, F32PanelsLinearMethod) and torch.equal(method.dequantize(model.a), weight)
+    x = torch.randn(2, 7, 576)
+    with torch.no_grad():
+        y = model.a(x)
+    assert y.shape == (2, 7, 192)
+    assert torch.equal(y, cpu_ops.f32_linear(x.reshape(14, 576), pack_f32_panels(weight)).view(2, 7, 192) + bias)
+    assert ((y - bias).double() - x.double() @ weight.double().T).abs().le(float32_sums_bound(x.reshape(14, 576), weight).view(2, 7, 192)).all()

@@ -75,6 +75,34 @@ class UnquantizedLinearMethod:
         return F.linear(x, layer.weight, bias)
 
 
+class F32PanelsLinearMethod(UnquantizedLinearMethod):
+    """A float32 weight as the CPU kernels' f32_linear panels (`layer.f32_panels`,
+    `[out / 16, in, 16]`; runtime.models.cpu_path.use_f32_panels puts it there on CPUs
+    where f32_linear has its AVX2 form). F.linear on a plain float32 weight re-packs it
+    on every call: SmolLM2's 120 linears on a Zen 1 EPYC took 42 / 107 / 167 ms at 1 / 4 /
+    16 rows that way, 20 / 25 / 54 ms on the panels (bench/RESULTS.md item 30). One
+    ordered fma chain per output: a row's bits never depend on M."""
+
+    row_invariant: ClassVar[bool] = True
+
+    def __init__(self, ops: F32Kernels) -> None:
+        self.ops = ops
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.ops.f32_linear(x.reshape(-1, x.shape[-1]), layer.f32_panels)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
+
+    def dequantize(self, layer: LinearBase) -> torch.Tensor:
+        """The float32 weight `[out, in]` (the panels hold it exactly)."""
+        panels = layer.f32_panels
+        return panels.transpose(1, 2).reshape(-1, panels.shape[1])
+
+
+class F32Kernels(Protocol):  # kernels/cpu's CpuOps, the part F32PanelsLinearMethod calls
+    def f32_linear(self, x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor: ...
+
+
 class OutputShard(NamedTuple):
     """One checkpoint projection stacked in a layer's output rows (q, k, v; gate, up)."""
 

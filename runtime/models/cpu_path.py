@@ -28,7 +28,7 @@ from torch import nn
 from kernels.attention.base import AttentionBatch
 from runtime.layers.activation import SiluAndMulMLP
 from runtime.layers.layernorm import RMSNorm
-from runtime.layers.linear import LinearBase
+from runtime.layers.linear import F32PanelsLinearMethod, LinearBase, UnquantizedLinearMethod
 from runtime.layers.logits_processor import LogitsProcessor
 from runtime.layers.quantization import linear_layers
 from runtime.layers.quantization.gguf import DENSE_FLOAT32_MAX_BYTES
@@ -50,6 +50,8 @@ def bind_cpu_ops(model: nn.Module, ops: CpuOps) -> dict[str, int]:
         if isinstance(module, (RMSNorm, SiluAndMulMLP, LlamaAttention)):
             module.ops = ops
             bound[type(module).__name__] = bound.get(type(module).__name__, 0) + 1
+    if panels := use_f32_panels(model, ops):
+        bound["f32_panels_linear"] = panels
     if isinstance(model, LlamaForCausalLM):
         processor: LogitsProcessor = model.logits_processor
         q8 = pack_q8_exact(model.lm_head.weight.data)
@@ -70,6 +72,26 @@ def bind_cpu_ops(model: nn.Module, ops: CpuOps) -> dict[str, int]:
             model.model.decode_stack = FusedDecodeStack(model.model, ops)
             bound["decode_stack"] = 1
     return bound
+
+
+def use_f32_panels(model: nn.Module, ops: CpuOps) -> int:
+    """Move every unquantized float32 linear onto f32_linear's panels where the kernels have
+    its AVX2 form (not where oneDNN has AVX-512, which keeps F.linear); the plain weight
+    goes (the panels hold it exactly: F32PanelsLinearMethod.dequantize). Returns how many."""
+    if not ops.f32_linear_isa():
+        return 0
+    moved = 0
+    for layer in linear_layers(model):
+        weight = getattr(layer, "weight", None)
+        if type(layer.quant_method) is not UnquantizedLinearMethod or weight is None:
+            continue
+        if weight.dtype != torch.float32 or not weight.is_cpu or weight.shape[0] % 16:
+            continue
+        layer.register_buffer("f32_panels", pack_f32_panels(weight.data), persistent=False)
+        del layer.weight
+        layer.quant_method = F32PanelsLinearMethod(ops)
+        moved += 1
+    return moved
 
 
 def keep_head_panels(model: LlamaForCausalLM, ops: CpuOps) -> bool:
