@@ -28,7 +28,6 @@ from runtime.model_executor.model_loader import (
     default_model_path,
     gguf_source,
     load_model,
-    prepare_model_dir,
 )
 from runtime.model_executor import weight_utils
 from runtime.model_executor.weight_utils import gguf_cache_dir, gguf_tensor_table, gguf_tensors
@@ -54,13 +53,11 @@ def test_the_embedded_gguf_linear_weights_read_exactly_as_their_float_conversion
 
 
 def test_the_tensor_table_is_gguf_pys_and_read_back_without_parsing_the_header(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A load reads the GGUF's tensor table from a JSON file beside its conversion once a
     first load wrote it (gguf-py's header parse is 2.4 s on a Zen 1); the arrays are the
     reader's own, byte for byte. A damaged table is parsed again and rewritten."""
-    from gguf import GGUFReader
-
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     source = default_model_path()
     table_file = gguf_cache_dir(source).with_name(f"{gguf_cache_dir(source).name}.tensors.json")
@@ -72,9 +69,9 @@ def test_the_tensor_table_is_gguf_pys_and_read_back_without_parsing_the_header(
     monkeypatch.setattr(weight_utils, "open_gguf", lambda path: parses.append(path) or parse(path))
     again = gguf_tensor_table(source)
     assert again == first and parses == []  # read back, not parsed
-    reader = GGUFReader(source)
+    reader = parse(source)  # gguf-py's reader (open_gguf: its GGUFReader, slicing a plain view of the map)
     assert first.architecture == "llama" and set(first.tensors) == {t.name for t in reader.tensors}
-    config = ModelConfig.from_pretrained(prepare_model_dir(None, "auto"), torch.float32)
+    config = ModelConfig.from_pretrained(model_dir, torch.float32)  # (the real cache's conversion)
     names = {"model.layers.0.self_attn.k_proj.weight", "model.layers.29.mlp.down_proj.weight"}
     ours = gguf_tensors(source, names, config)
     by_name = {t.name: t for t in reader.tensors}
