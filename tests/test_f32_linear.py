@@ -11,6 +11,7 @@ only the engine's choice of the form depends on the flags.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -112,3 +113,42 @@ def test_unquantized_float32_linears_move_onto_the_panels_where_the_kernel_has_a
     assert y.shape == (2, 7, 192)
     assert torch.equal(y, cpu_ops.f32_linear(x.reshape(14, 576), pack_f32_panels(weight)).view(2, 7, 192) + bias)
     assert ((y - bias).double() - x.double() @ weight.double().T).abs().le(float32_sums_bound(x.reshape(14, 576), weight).view(2, 7, 192)).all()
+
+
+def test_a_float32_model_bound_to_the_kernels_runs_its_linears_and_head_on_panels_and_equals_hf(
+    cpu_ops: CpuOps, tokenizer: Any, tmp_path: Path
+) -> None:
+    """bind_cpu_ops on an unquantized float32 checkpoint (a float head, not Q8-exact): the
+    linears and the head take f32_linear's panels where it has its AVX2 form (the head at
+    every row count, under deterministic inference too), and the logits stay HF's."""
+    from transformers import AutoModelForCausalLM
+
+    from bench.paged_rounds import teacher_forced
+    from runtime.layers.linear import LinearBase
+    from runtime.layers.quantization import linear_form
+    from runtime.model_config import ModelConfig
+    from runtime.model_executor.model_loader import load_model
+    from runtime.models.cpu_path import bind_cpu_ops, make_batch_invariant
+    from tests.tiny_checkpoints import make_llama_checkpoint
+
+    path = make_llama_checkpoint(tmp_path / "ck", tokenizer, num_kv_heads=2)
+    model = load_model(path, ModelConfig.from_pretrained(path, torch.float32), "auto", "cpu", seed=None)
+    bound = bind_cpu_ops(model, cpu_ops)
+    head = model.logits_processor
+    on_panels = bool(cpu_ops.f32_linear_isa())
+    assert ("lm_head_panels" in bound) == on_panels == (head.panels is not None)
+    assert {linear_form(m) for m in model.modules() if isinstance(m, LinearBase)} == {"float-panels" if on_panels else "float"}
+    hidden = torch.randn(5, 64)
+    with torch.no_grad():
+        logits = head(hidden, model.lm_head)
+        if on_panels:
+            assert torch.equal(logits, cpu_ops.f32_linear(hidden, head.panels))
+            make_batch_invariant(model)
+            assert torch.equal(head(hidden[2:3], model.lm_head)[0], logits[2])  # the same kernel, alone
+        torch.testing.assert_close(logits.double(), hidden.double() @ model.lm_head.weight.double().T, rtol=1e-5, atol=1e-5)
+    ids = tokenizer.encode("The river rose slowly through the night")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0], dim=-1)
+    ours = teacher_forced(model, ModelConfig.from_pretrained(path, torch.float32), [ids], decode_steps=4)
+    assert (ours.log_softmax(-1) - ref).abs().max() < 1e-4

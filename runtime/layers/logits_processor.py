@@ -34,13 +34,17 @@ class LogitsProcessor(nn.Module):
         # a row's kernel would depend on the batch)
         self.panels: torch.Tensor | None = None
         self.panels_min_rows = 0
+        # (an unquantized model's panels take every row count: a row's kernel never depends
+        # on the batch, so they stay under deterministic inference too)
+        self.panels_batch_invariant = False
         self.batch_invariant = False
 
     def forward(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding) -> torch.Tensor:
         """`[T, hidden]` -> `[T, vocab]` float32. Each rank computes its vocab shard's
         logits; the all-gather concatenates them in rank order (= vocab order), so every
         rank, rank 0's sampler included, sees the whole row. Padding columns are cut."""
-        if self.ops is not None and self.panels is not None and not self.batch_invariant and hidden.shape[0] >= self.panels_min_rows:
+        invariant_ok = self.panels_batch_invariant or not self.batch_invariant
+        if self.ops is not None and self.panels is not None and invariant_ok and hidden.shape[0] >= self.panels_min_rows:
             local = self.ops.f32_linear(hidden.float(), self.panels)
         elif self.ops is not None and self.q8_vnni is not None:
             local = self.ops.q8_linear_vnni(hidden.float(), self.q8_vnni)

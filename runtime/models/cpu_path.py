@@ -55,19 +55,24 @@ def bind_cpu_ops(model: nn.Module, ops: CpuOps) -> dict[str, int]:
     if isinstance(model, LlamaForCausalLM):
         processor: LogitsProcessor = model.logits_processor
         q8 = pack_q8_exact(model.lm_head.weight.data)
-        if q8 is not None:
-            processor.ops = ops
+        q4q8 = any(isinstance(layer.quant_method, Q4Q8LinearMethod) for layer in linear_layers(model))
+        # A quantized model's head takes the exact Q8 blocks x 16-bit fixed-point activations,
+        # as its q4q8 linears do (2.4x faster; q4q8 layers exist only where the kernels run
+        # Q4 blocks: AVX512-VNNI or AVX2), with panels of the weight from a measured row count.
+        # Any other float32 head runs on panels of its weight where f32_linear has its AVX2
+        # form, else on the exact Q8 blocks with float32 activations where there are some;
+        # both give the float32 model's logprobs to 1e-5 (tests compare them with HF).
+        if q8 is not None and q4q8:
+            processor.ops, processor.q8_vnni = ops, pack_q8_vnni(q8)
             bound["q8_lm_head"] = 1
-            # A quantized model's head takes the blocks x 16-bit fixed-point activations too
-            # (q4q8.py's way, 2.4x faster); an unquantized one keeps float32 activations, whose
-            # logprobs equal the float32 model's to 1e-5 (tests compare them with HF).
-            # (q4q8 layers exist only where the kernels run Q4 blocks: AVX512-VNNI or AVX2)
-            if any(isinstance(layer.quant_method, Q4Q8LinearMethod) for layer in linear_layers(model)):
-                processor.q8_vnni = pack_q8_vnni(q8)
-                if keep_head_panels(model, ops):
-                    bound["lm_head_panels"] = 1
-            else:
-                processor.q8 = q8
+            if keep_head_panels(model, ops):
+                bound["lm_head_panels"] = 1
+        elif float32_head_panels(model, ops):
+            processor.ops = ops
+            bound["lm_head_panels"] = 1
+        elif q8 is not None:
+            processor.ops, processor.q8 = ops, q8
+            bound["q8_lm_head"] = 1
         if FusedDecodeStack.fits(model.model):
             model.model.decode_stack = FusedDecodeStack(model.model, ops)
             bound["decode_stack"] = 1
@@ -92,6 +97,21 @@ def use_f32_panels(model: nn.Module, ops: CpuOps) -> int:
         layer.quant_method = F32PanelsLinearMethod(ops)
         moved += 1
     return moved
+
+
+def float32_head_panels(model: LlamaForCausalLM, ops: CpuOps) -> bool:
+    """A float32 head beside linears that are not q4q8, on f32_linear's panels of its weight at every row
+    count, where the kernels have its AVX2 form and the copy fits DENSE_FLOAT32_MAX_BYTES:
+    on a Zen 1 EPYC, SmolLM2's head took 5.4 / 14.4 ms at 1 / 16 rows there, 8.7 / 187 ms
+    on the Q8 blocks with float activations (bench/RESULTS.md item 30). One kernel whatever
+    the batch, so deterministic inference keeps it too."""
+    processor, weight = model.logits_processor, model.lm_head.weight.data
+    if not ops.f32_linear_isa() or weight.dtype != torch.float32 or weight.shape[0] % 16:
+        return False
+    if 4 * weight.numel() > DENSE_FLOAT32_MAX_BYTES:
+        return False
+    processor.panels, processor.panels_min_rows, processor.panels_batch_invariant = pack_f32_panels(weight), 0, True
+    return True
 
 
 def keep_head_panels(model: LlamaForCausalLM, ops: CpuOps) -> bool:
