@@ -54,7 +54,7 @@ def bind_cpu_ops(model: nn.Module, ops: CpuOps) -> dict[str, int]:
         bound["f32_panels_linear"] = panels
     if isinstance(model, LlamaForCausalLM):
         processor: LogitsProcessor = model.logits_processor
-        q8 = pack_q8_exact(model.lm_head.weight.data)
+        weight = model.lm_head.weight.data
         q4q8 = any(isinstance(layer.quant_method, Q4Q8LinearMethod) for layer in linear_layers(model))
         # A quantized model's head takes the exact Q8 blocks x 16-bit fixed-point activations,
         # as its q4q8 linears do (2.4x faster; q4q8 layers exist only where the kernels run
@@ -62,7 +62,8 @@ def bind_cpu_ops(model: nn.Module, ops: CpuOps) -> dict[str, int]:
         # Any other float32 head runs on panels of its weight where f32_linear has its AVX2
         # form, else on the exact Q8 blocks with float32 activations where there are some;
         # both give the float32 model's logprobs to 1e-5 (tests compare them with HF).
-        if q8 is not None and q4q8:
+        # (the Q8 blocks are found only where they are used: not for a float32 head on panels)
+        if q4q8 and (q8 := pack_q8_exact(weight)) is not None:
             processor.ops, processor.q8_vnni = ops, pack_q8_vnni(q8)
             bound["q8_lm_head"] = 1
             if keep_head_panels(model, ops):
@@ -70,7 +71,7 @@ def bind_cpu_ops(model: nn.Module, ops: CpuOps) -> dict[str, int]:
         elif float32_head_panels(model, ops):
             processor.ops = ops
             bound["lm_head_panels"] = 1
-        elif q8 is not None:
+        elif (q8 := pack_q8_exact(weight)) is not None:
             processor.ops, processor.q8 = ops, q8
             bound["q8_lm_head"] = 1
         if FusedDecodeStack.fits(model.model):
@@ -100,8 +101,9 @@ def use_f32_panels(model: nn.Module, ops: CpuOps) -> int:
 
 
 def float32_head_panels(model: LlamaForCausalLM, ops: CpuOps) -> bool:
-    """A float32 head beside linears that are not q4q8, on f32_linear's panels of its weight at every row
-    count, where the kernels have its AVX2 form and the copy fits DENSE_FLOAT32_MAX_BYTES:
+    """A float32 head beside linears that are not q4q8, on f32_linear's panels of its weight
+    at every row count, where the kernels have its AVX2 form and the copy fits
+    DENSE_FLOAT32_MAX_BYTES:
     on a Zen 1 EPYC, SmolLM2's head took 5.4 / 14.4 ms at 1 / 16 rows there, 8.7 / 187 ms
     on the Q8 blocks with float activations (bench/RESULTS.md item 30). One kernel whatever
     the batch, so deterministic inference keeps it too."""
