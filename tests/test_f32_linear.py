@@ -18,6 +18,8 @@ import torch
 
 from kernels.cpu import CpuOps
 from runtime.layers.quantization.int4 import pack_f32_panels
+from runtime.layers.quantization.q4q8 import pack_q4
+from runtime.layers.quantization.q8 import Q8Weight, pack_q8_vnni
 
 
 def float32_sums_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -43,6 +45,29 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(cpu_ops: CpuOps) -> Non
     full = cpu_ops.f32_linear(x, panels)
     for rows in (slice(0, 1), slice(3, 20), slice(31, 38), slice(100, 300)):
         assert torch.equal(cpu_ops.f32_linear(x[rows].clone(), panels), full[rows])
+
+
+# Q4_1 / Q8_0 blocks kept as the kernels' records (pack_q4, pack_q8_vnni) are read as
+# panels, each dequantized as the loop reaches it: the bits of panels of the file's float32
+# weights (gguf's dequantization: d q + m, d q), at scales from 1e-5 to 1e2, over one row
+# block and several (M = 200 at K = 1536).
+@pytest.mark.parametrize("M", [1, 7, 200])
+@pytest.mark.parametrize("K", [64, 1536])
+def test_q4_and_q8_records_give_the_bits_of_panels_of_their_float32_weights(cpu_ops: CpuOps, M: int, K: int) -> None:
+    torch.manual_seed(M + K)
+    n, groups = 48, K // 32
+    scale = 10.0 ** torch.randint(-5, 3, (n, groups)).float()
+    d = (torch.rand(n, groups) * scale).half()
+    m = ((torch.rand(n, groups) - 0.7) * 8 * scale).half()
+    q4 = torch.randint(0, 16, (n, K), dtype=torch.uint8)
+    w4 = (q4.float().view(n, groups, 32) * d.float()[..., None] + m.float()[..., None]).view(n, K)
+    q8 = torch.randint(-127, 128, (n, K), dtype=torch.int8)
+    d8 = d.float()
+    w8 = (q8.float().view(n, groups, 32) * d8[..., None]).view(n, K)
+    blocks = Q8Weight(q8.view(n // 16, 16, K).transpose(1, 2).contiguous(), d8.view(n // 16, 16, groups).transpose(1, 2).contiguous())
+    x = torch.randn(M, K)
+    assert torch.equal(cpu_ops.f32_linear(x, pack_q4(q4, d, m)), cpu_ops.f32_linear(x, pack_f32_panels(w4)))
+    assert torch.equal(cpu_ops.f32_linear(x, pack_q8_vnni(blocks)), cpu_ops.f32_linear(x, pack_f32_panels(w8)))
 
 
 def test_a_strided_x_and_zero_rows(cpu_ops: CpuOps) -> None:

@@ -27,7 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear_vnni", &q8_linear_vnni, "x @ W.T with W in Q8 blocks (pack_q8_vnni), x in int8 blocks of 32",
         release_gil());
   m.def("f32_linear_isa", &f32_linear_isa, "what f32_linear runs on: avx2, or empty (a scalar loop; oneDNN is faster)");
-  m.def("f32_linear", &f32_linear, "x @ W.T in float32 (W: pack_f32_panels)", release_gil());
+  m.def("f32_linear", &f32_linear, "x @ W.T in float32 (W: pack_f32_panels, or pack_q4 / pack_q8_vnni records dequantized as it goes)", release_gil());
   m.def("bf16_linear_isas", &bf16_linear_isas,
         "where bf16_linear runs here, best first: amx-bf16 (tile state granted), avx512-bf16; empty: nowhere");
   m.def("bf16_linear", &bf16_linear, "x @ W.T in float32 from bf16 operands (W: pack_bf16_tiles)", py::arg("x"),

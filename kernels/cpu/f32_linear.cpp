@@ -11,7 +11,11 @@
 //
 // Packed layout (pack_f32_panels in int4.py, once at load): W [N, K] as [N / 16, K, 16],
 // panel p's row k holding W[16p + j, k] for j = 0..15: one panel is the 16 outputs of two
-// ymm accumulators per x row, read front to back.
+// ymm accumulators per x row, read front to back. Or W as q4_linear.cpp's Q4 / Q8 records
+// (16 outputs a block too): each panel is then dequantized into a scratch [K][16] as the
+// loop reaches it, the same floats a copy would hold, for 1/6 (Q4) of a copy's bytes and
+// no copy in memory; on a Zen 1 2-5% slower than a copy's panels from 8 to 512 rows (the
+// FMAs, not the bytes, bound it there; bench/RESULTS.md item 31).
 //
 // The loop (BLIS's): x's rows go in blocks of at most kBlockBytes (so a block, copied as
 // [tiles][K][6], stays in L2 while every panel passes over it), and within a block a 6-row
@@ -25,6 +29,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -40,6 +45,8 @@ namespace {
 constexpr int64_t kLanes = 16;  // outputs of one panel
 constexpr int64_t kTile = 6;  // x rows of one tile
 constexpr int64_t kBlockBytes = 192 * 1024;  // a block's copy of x
+constexpr int64_t kGroup = 32;  // columns of one record
+constexpr int64_t kRecord4 = 320, kRecord8 = 576;  // bytes of a Q4 / Q8 record (q4_linear.cpp)
 
 // Tile (R rows of x, packed [K][6]) x panel ([K][16]) -> y's R x 16 outputs at row stride N.
 // (Inlined into its caller: GCC 12's out-of-line copy stored the 12 sums to the stack on
@@ -71,9 +78,90 @@ __attribute__((always_inline)) inline void tile_panel(const float* a, const floa
 #endif
 }
 
-// Rows [row0, row0 + rows) of x against panels [p0, p1); `a` holds the rows' copy.
-void block_panels(const float* x, int64_t row0, int64_t rows, int64_t K, const float* panels, int64_t p0, int64_t p1,
-                  float* y, int64_t N, float* a) {
+// Panel p of a weight kept as q4_linear.cpp's records (pack_q4: Q4, 320 bytes a group of 32
+// columns; pack_q8_vnni: Q8, 576), dequantized into b as [K][16]: the float32 weights gguf's own
+// dequantization gives, so the panels pack_f32_panels would hold, bit for bit. Q4: w =
+// fma(q, d, m) = d q + m rounded once (d q, 4 bits times fp16's 11, is exact); Q8: w = d (c -
+// 128), exact. In a record's chunk of 64 bytes, byte 4j + t is output j's: the shift by 8t (Q4:
+// and 8t + 4 for the high nibble) and a mask give column k's 16 codes in two ymm.
+// (Never inlined: in block_panels its vector constants took a register from the 6-row tile,
+// whose sums then went to the stack on every k; the tile ran ~20% slower.)
+template <bool Q8>
+__attribute__((noinline)) void dequantize_panel(const uint8_t* rec, int64_t G, float* b) {
+  constexpr int64_t record = Q8 ? kRecord8 : kRecord4;
+  for (int64_t g = 0; g < G; ++g, rec += record, b += kGroup * kLanes) {
+#if defined(F32_AVX2)
+    const __m256 d0 = Q8 ? _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 512))
+                         : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256)));
+    const __m256 d1 = Q8 ? _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 544))
+                         : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 272)));
+    const __m256 m0 = Q8 ? _mm256_set1_ps(128.f) : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 288)));
+    const __m256 m1 = Q8 ? m0 : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 304)));
+    const __m256i mask = _mm256_set1_epi32(Q8 ? 0xFF : 0x0F);
+    auto column = [&](__m256i v0, __m256i v1, int shift, float* out) {
+      const __m256 c0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(v0, _mm_cvtsi32_si128(shift)), mask));
+      const __m256 c1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(v1, _mm_cvtsi32_si128(shift)), mask));
+      if constexpr (Q8) {
+        _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_sub_ps(c0, m0), d0));
+        _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_sub_ps(c1, m1), d1));
+      } else {
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(c0, d0, m0));
+        _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(c1, d1, m1));
+      }
+    };
+    for (int c = 0; c < (Q8 ? 8 : 4); ++c) {
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * c));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * c + 32));
+      for (int t = 0; t < 4; ++t) {
+        if constexpr (Q8) {
+          column(v0, v1, 8 * t, b + (4 * c + t) * kLanes);
+        } else {
+          column(v0, v1, 8 * t, b + (8 * c + t) * kLanes);
+          column(v0, v1, 8 * t + 4, b + (8 * c + 4 + t) * kLanes);
+        }
+      }
+    }
+#else  // the same values lane by lane
+    for (int64_t k = 0; k < kGroup; ++k)
+      for (int64_t j = 0; j < kLanes; ++j) {
+        if constexpr (Q8) {
+          float d;
+          std::memcpy(&d, rec + 512 + 4 * j, 4);
+          b[k * kLanes + j] = d * (static_cast<float>(rec[64 * (k / 4) + 4 * j + k % 4]) - 128.f);
+        } else {
+          const uint8_t byte = rec[64 * (k / 8) + 4 * j + k % 4];
+          const float q = static_cast<float>(k % 8 < 4 ? byte & 0x0F : byte >> 4);
+          const float d = c10::detail::fp16_ieee_to_fp32_value(reinterpret_cast<const uint16_t*>(rec + 256)[j]);
+          const float m = c10::detail::fp16_ieee_to_fp32_value(reinterpret_cast<const uint16_t*>(rec + 288)[j]);
+          b[k * kLanes + j] = std::fma(q, d, m);
+        }
+      }
+#endif
+  }
+}
+
+// The weight as f32_linear takes it: float32 panels, or records dequantized a panel at a time.
+struct Weight {
+  const float* panels;  // [P][K][16], or null
+  const uint8_t* records;  // [P][G][record bytes], or null
+  bool q8;
+  int64_t K;
+  // Panel p: in place, or dequantized into `scratch` ([K][16]).
+  const float* panel(int64_t p, float* scratch) const {
+    if (panels != nullptr) return panels + p * K * kLanes;
+    const int64_t G = K / kGroup;
+    if (q8)
+      dequantize_panel<true>(records + p * G * kRecord8, G, scratch);
+    else
+      dequantize_panel<false>(records + p * G * kRecord4, G, scratch);
+    return scratch;
+  }
+};
+
+// Rows [row0, row0 + rows) of x against panels [p0, p1); `a` holds the rows' copy, `scratch`
+// a dequantized panel.
+void block_panels(const float* x, int64_t row0, int64_t rows, int64_t K, const Weight& w, int64_t p0, int64_t p1,
+                  float* y, int64_t N, float* a, float* scratch) {
   const int64_t tiles = (rows + kTile - 1) / kTile;
   for (int64_t t = 0; t < tiles; ++t)  // [tiles][K][6]; a short last tile's missing rows are never read
     for (int64_t r = 0; r < std::min(kTile, rows - kTile * t); ++r) {
@@ -82,7 +170,7 @@ void block_panels(const float* x, int64_t row0, int64_t rows, int64_t K, const f
       for (int64_t k = 0; k < K; ++k) dst[k * kTile] = src[k];
     }
   for (int64_t p = p0; p < p1; ++p) {
-    const float* b = panels + p * K * kLanes;
+    const float* b = w.panel(p, scratch);
     for (int64_t t = 0; t < tiles; ++t) {
       const float* at = a + t * K * kTile;
       float* yt = y + (row0 + kTile * t) * N + kLanes * p;
@@ -108,16 +196,22 @@ std::string f32_linear_isa() {
 #endif
 }
 
-at::Tensor f32_linear(at::Tensor x, at::Tensor panels) {
+at::Tensor f32_linear(at::Tensor x, at::Tensor w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: float32 [M, K]");
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.size(2) == kLanes &&
-                  panels.is_contiguous(),
-              "panels: float32 [N / 16, K, 16] (pack_f32_panels)");
-  TORCH_CHECK(panels.size(1) == x.size(1), "panels' K must be x's");
+  const bool records = w.scalar_type() == at::kByte;
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() &&
+                  (records ? w.size(2) == kRecord4 || w.size(2) == kRecord8
+                           : w.scalar_type() == at::kFloat && w.size(2) == kLanes),
+              "w: float32 panels [N / 16, K, 16] (pack_f32_panels) or uint8 records [N / 16, K / 32, 320 | 576] "
+              "(pack_q4, pack_q8_vnni)");
+  const int64_t K = records ? w.size(1) * kGroup : w.size(1);
+  TORCH_CHECK(K == x.size(1), "w's K must be x's");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), N = P * kLanes;
+  const int64_t M = x.size(0), P = w.size(0), N = P * kLanes;
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
+  const Weight weight{records ? nullptr : w.data_ptr<float>(), records ? w.data_ptr<uint8_t>() : nullptr,
+                      records && w.size(2) == kRecord8, K};
   // Each thread takes one slice of the panels (its weights are its own: a step's weights
   // come from memory once) and runs it over every row block, copying the block itself:
   // the threads' work differs by at most a panel, whatever M (splitting rows in 6-row
@@ -128,14 +222,14 @@ at::Tensor f32_linear(at::Tensor x, at::Tensor panels) {
   const int64_t blocks = (M + max_rows - 1) / max_rows;
   const int64_t block_rows = ((M + blocks - 1) / blocks + kTile - 1) / kTile * kTile;
   const float* xp = x.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   sluice::parallel_for(slices * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> a(block_rows * K);
+    std::vector<float> a(block_rows * K), scratch(records ? K * kLanes : 0);
     for (int64_t i = begin; i < end; ++i) {  // slice-major: a thread's chunk is whole slices
       const int64_t s = i / blocks, row0 = i % blocks * block_rows;
       if (row0 >= M) continue;
-      block_panels(xp, row0, std::min(block_rows, M - row0), K, wp, P * s / slices, P * (s + 1) / slices, yp, N, a.data());
+      block_panels(xp, row0, std::min(block_rows, M - row0), K, weight, P * s / slices, P * (s + 1) / slices, yp, N,
+                   a.data(), scratch.data());
     }
   });
   return y;

@@ -21,7 +21,7 @@ std::string q4_linear_isa();
 at::Tensor q4_linear(at::Tensor x, at::Tensor packed);
 at::Tensor q8_linear_vnni(at::Tensor x, at::Tensor packed);
 std::string f32_linear_isa();
-at::Tensor f32_linear(at::Tensor x, at::Tensor panels);
+at::Tensor f32_linear(at::Tensor x, at::Tensor w);
 const std::vector<std::string>& bf16_linear_isas();
 at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, const std::string& isa);
 at::Tensor bf16_linear_silu_mul(at::Tensor x, at::Tensor packed, const std::string& isa);
