@@ -160,6 +160,47 @@ def test_the_lm_head_takes_its_panels_from_the_measured_rows_but_not_under_deter
         assert torch.equal(head(hidden, model.lm_head), ops.q8_linear_vnni(hidden, head.q8_vnni))
 
 
+def test_past_the_float32_budget_the_records_stand_in_for_the_copies_with_their_bits(
+    make_engine: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model whose float32 copies would not fit DENSE_FLOAT32_MAX_BYTES keeps none: where
+    f32_linear has its AVX2 form, its big batches read the Q4 (linears) and Q8 (head)
+    records as panels instead. They are the copies' weights bit for bit, so every logit of
+    a prefill and of decode steps past the crossover (forced to 3 rows here) and every
+    greedy token of a staggered batch are the same with either."""
+    ops = load_cpu_ops()
+    if ops is None or not ops.q4_linear_isa() or not ops.f32_linear_isa():
+        pytest.skip("records are read as panels only with the kernels' AVX2 forms")
+    from runtime.layers.quantization import gguf
+    from runtime.models import cpu_path
+
+    monkeypatch.setattr(q4q8, "measured_crossovers", {})
+    monkeypatch.setattr(q4q8, "measure_panels_min_rows", lambda layers, ops, repeats=2: 3)
+    monkeypatch.setattr(cpu_path, "time_crossover", lambda calls: 3)
+    ids = tokenizer.encode(HELD_OUT_TEXT)[:96]
+    prompts = [[1000 + 13 * i + j for j in range(20 + 9 * i)] for i in range(5)]
+    params = [{"max_new_tokens": 3 + 2 * i, "temperature": 0, "ignore_eos": True} for i in range(5)]
+    runs = []
+    for budget in (gguf.DENSE_FLOAT32_MAX_BYTES, 0):
+        monkeypatch.setattr(gguf, "DENSE_FLOAT32_MAX_BYTES", budget)
+        engine = make_engine(dtype="auto", quantization="auto", max_running_requests=8)
+        model = engine.worker.model
+        panels = [m.dense_panels for m in model.modules() if isinstance(m, LinearBase)]
+        head = model.logits_processor
+        assert len(panels) == 120 and head.panels is not None and head.panels_min_rows == 3
+        if budget == 0:  # the records themselves: no copy
+            assert all(p.dtype == torch.uint8 for p in panels) and head.panels is head.q8_vnni
+        else:
+            assert all(p.dtype == torch.float32 for p in panels) and head.panels.dtype == torch.float32
+        with torch.no_grad():
+            logits = teacher_forced(model, engine.model_config, [ids], decode_steps=8)
+        outs = engine.generate(prompts, params)
+        runs.append((logits, [o["output_ids"] for o in outs]))
+        assert_all_memory_free(engine)
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1] == runs[1][1]
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 def test_the_fused_decode_stack_gives_every_decode_step_the_module_paths_bits(
     make_engine: Any, deterministic: bool, monkeypatch: pytest.MonkeyPatch

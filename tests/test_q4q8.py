@@ -24,7 +24,7 @@ from runtime.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowPa
 from runtime.layers.quantization import linear_form, q4q8, settle_dense_min_rows
 from runtime.layers.quantization import gguf
 from runtime.layers.quantization.gguf import dense_dtype, native_bf16_matmul
-from runtime.layers.quantization.int4 import DENSE_COPIES
+from runtime.layers.quantization.int4 import DENSE_COPIES, pack_f32_panels
 from runtime.layers.quantization.q4q8 import (
     DENSE_MIN_ROWS_FLOAT32,
     DENSE_MIN_ROWS_PANELS,
@@ -149,8 +149,8 @@ def test_a_gguf_layer_packs_the_files_blocks_exactly_and_computes_with_them(cpu_
         torch.testing.assert_close(y, bf16, rtol=2**-7, atol=1e-5)  # one bf16 rounding of the sums
     else:
         assert dense == torch.float32
-        if cpu_ops.f32_linear_isa():
-            assert torch.equal(y, cpu_ops.f32_linear(big, layer.dense_panels))
+        if cpu_ops.f32_linear_isa():  # the records read as panels of the file's float32 weights
+            assert torch.equal(y, cpu_ops.f32_linear(big, pack_f32_panels(reference(weight))))
         else:
             assert layer.dense_packed.dtype == torch.float32
         torch.testing.assert_close(y.double(), big.double() @ reference(weight).double().T, rtol=1e-5, atol=1e-5)
@@ -161,23 +161,30 @@ def test_without_native_bf16_a_model_over_the_float32_budget_keeps_no_dense_copy
     cpu_ops: CpuOps, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A float32 copy is 8x a Q4 layer's bytes: past DENSE_FLOAT32_MAX_BYTES for the whole
-    model none is kept, and prefill-sized batches run on the blocks, as exactly as decodes."""
+    model none is kept. Where f32_linear has its AVX2 form, prefill-sized batches then read
+    the records as panels (the copy's bits, no copy); elsewhere they run on the blocks, as
+    exactly as decodes."""
     if native_bf16_matmul(torch.device("cpu")) or not cpu_ops.q4_linear_isa():
         pytest.skip("bfloat16 copies (native here) have no budget; without Q4 kernels the layer is int4")
     torch.manual_seed(5)
     weight = gguf_weight(torch.randn(192, 576) * 0.02, "Q4_1")
     monkeypatch.setattr(gguf, "DENSE_FLOAT32_MAX_BYTES", 4 * 192 * 576 - 1)
     layer = gguf_layer(ColumnParallelLinear(576, 192), {None: weight}, cpu_ops)
-    assert not any(hasattr(layer, name) for name in DENSE_COPIES)
     big = torch.randn(max(DENSE_MIN_ROWS_FLOAT32, DENSE_MIN_ROWS_PANELS) + 9, 576)
     with torch.no_grad():
         y = layer(big)
-    assert torch.equal(y, cpu_ops.q4_linear(big, layer.q4_weight))
     monkeypatch.setattr(gguf, "DENSE_FLOAT32_MAX_BYTES", 4 * 192 * 576)
     kept = gguf_layer(ColumnParallelLinear(576, 192), {None: weight}, cpu_ops)
     if cpu_ops.f32_linear_isa():
+        assert [name for name in DENSE_COPIES if hasattr(layer, name)] == ["dense_panels"]
+        assert layer.dense_panels.data_ptr() == layer.q4_weight.data_ptr()  # the records, not a copy
         assert kept.dense_panels.shape == (192 // 16, 576, 16) and dense_min_rows(kept) == DENSE_MIN_ROWS_PANELS
+        with torch.no_grad():
+            assert torch.equal(y, kept(big))  # records or copy: the same bits
+        assert torch.equal(y, cpu_ops.f32_linear(big, pack_f32_panels(reference(weight))))
     else:
+        assert not any(hasattr(layer, name) for name in DENSE_COPIES)
+        assert torch.equal(y, cpu_ops.q4_linear(big, layer.q4_weight))
         assert kept.dense_packed.dtype == torch.float32 and dense_min_rows(kept) == DENSE_MIN_ROWS_FLOAT32
 
 

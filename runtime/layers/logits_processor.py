@@ -29,9 +29,11 @@ class LogitsProcessor(nn.Module):
         # or, beside q4q8 linears, only pack_q8_vnni's records of those blocks (`q8` is then
         # None: its 31 MB would be dead weight)
         self.q8_vnni: torch.Tensor | None = None
-        # and, beside q4q8 linears with float32 panels, the head's own (pack_f32_panels), which
-        # f32_linear runs from `panels_min_rows` rows on (not under deterministic inference:
-        # a row's kernel would depend on the batch)
+        # and what f32_linear takes from `panels_min_rows` rows on: beside q4q8 linears that
+        # run big batches on panels, pack_f32_panels of its weight or, past the float32
+        # budget, `q8_vnni` itself (dequantized as it goes); not under deterministic
+        # inference: a row's kernel would depend on the batch. For a float32 model, panels
+        # of its weight.
         self.panels: torch.Tensor | None = None
         self.panels_min_rows = 0
         # (an unquantized model's panels take every row count: a row's kernel never depends

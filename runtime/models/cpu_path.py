@@ -117,24 +117,30 @@ def float32_head_panels(model: LlamaForCausalLM, ops: CpuOps) -> bool:
 
 
 def keep_head_panels(model: LlamaForCausalLM, ops: CpuOps) -> bool:
-    """Beside q4q8 linears that keep float32 panels, give the LM head its own where all the
-    copies fit gguf.DENSE_FLOAT32_MAX_BYTES, taken from a row count measured here (the Q8
-    blocks' integer products are compute-bound from a few rows on AVX2: SmolLM2's head at 16
-    rows took 18.4 ms on them, 14.3 on the panels, on a Zen 1; bench/RESULTS.md item 28)."""
+    """Beside q4q8 linears that run big batches on f32_linear's panels, run the LM head there
+    too, from a row count measured here: on panels of its exact weights while they and the
+    linears' float32 copies fit gguf.DENSE_FLOAT32_MAX_BYTES (+113 MB for SmolLM2), else on
+    its own Q8 records, which f32_linear dequantizes as it goes (the same bits, no copy; 4%
+    slower at 16 rows on a Zen 1). The Q8 blocks' integer products are compute-bound from a
+    few rows on AVX2: SmolLM2's head at 16 rows took 18.4 ms on them, 14.3 on the panels, on
+    a Zen 1 (bench/RESULTS.md items 28, 31)."""
     processor, weight = model.logits_processor, model.lm_head.weight.data
-    copies = sum(cast(torch.Tensor, m.dense_panels).nbytes for m in linear_layers(model) if hasattr(m, "dense_panels"))
     q8 = processor.q8_vnni
-    if not copies or q8 is None or weight.shape[0] % 16 or copies + 4 * weight.numel() > DENSE_FLOAT32_MAX_BYTES:
+    linears = [p for m in linear_layers(model) if (p := _panels(m)) is not None]
+    if q8 is None or not linears:
         return False
-    panels = pack_f32_panels(weight.float())
+    copies = sum(p.nbytes for p in linears if p.dtype == torch.float32)
+    fits = copies > 0 and weight.shape[0] % 16 == 0 and copies + 4 * weight.numel() <= DENSE_FLOAT32_MAX_BYTES
+    panels = pack_f32_panels(weight.float()) if fits else q8
 
     def calls(m: int) -> tuple[Callable[[], object], Callable[[], object]]:
         x = torch.randn(m, weight.shape[1])
         return (lambda: ops.q8_linear_vnni(x, q8)), (lambda: ops.f32_linear(x, panels))
 
-    rows = crossover_for(("q8-head/f32-panels", tuple(weight.shape)), lambda: time_crossover(calls))
+    key = ("q8-head/f32-panels" if fits else "q8-head/q8-records", tuple(weight.shape))
+    rows = crossover_for(key, lambda: time_crossover(calls))
     processor.panels, processor.panels_min_rows = panels, rows
-    log.info("LM head keeps float32 panels", panels_min_rows=rows)
+    log.info("LM head runs big batches on panels", of="float32 copy" if fits else "Q8 records", panels_min_rows=rows)
     return True
 
 
@@ -213,7 +219,8 @@ class FusedDecodeStack:
 
 
 def _panels(layer: LinearBase) -> torch.Tensor | None:
-    """The layer's f32_linear panels (int4.keep_dense_copy), if it keeps them."""
+    """What the layer's f32_linear takes (int4.keep_dense_copy's panels, or its records past
+    the float32 budget: gguf.GgufLinearMethod), if anything."""
     return cast(torch.Tensor | None, getattr(layer, "dense_panels", None))
 
 

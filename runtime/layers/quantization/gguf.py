@@ -23,7 +23,11 @@ q4q8.dense_min_rows: 32 for bfloat16, 128 for oneDNN's float32, measured at load
 kernels' float32 panels). Its dtype is `dense_dtype`'s: bfloat16 where bfloat16 matmuls are
 native (AMX / AVX512-BF16; +2 bytes a weight), else float32 (AVX2: its FMA units outrun the
 Q4 kernel's integer products from ~6 rows on a Zen 1, ~48 on a Zen 2; +4 bytes a weight,
-so only while the model's copies fit DENSE_FLOAT32_MAX_BYTES).
+so only while the model's copies fit DENSE_FLOAT32_MAX_BYTES). Past that budget, where the
+kernels have f32_linear's AVX2 form, a q4q8 layer's records stand in for the copy: f32_linear
+reads them as its panels, dequantizing one at a time as it goes (`dense_panels` is then the
+records themselves; the same bits as the copy, no memory, ~5% slower than the copy's panels
+at 16 rows on a Zen 1, where the FMAs and not the bytes bound it; bench/RESULTS.md item 31).
 """
 
 from __future__ import annotations
@@ -184,6 +188,11 @@ class GgufLinearMethod(UnquantizedLinearMethod):
                 records = pack_q4(planes.q[0], scale.half(), (zero - 8 * scale).half())
                 layer.q4_weight = nn.Parameter(records.to(self.device), requires_grad=False)
                 method = Q4Q8LinearMethod(self.q4_ops)
+                if self.dense is None and self.q4_ops.f32_linear_isa():
+                    # AVX2, past the float32 copies' budget: big batches run f32_linear on the
+                    # records themselves, each panel dequantized as it comes (the file's
+                    # weights in float32, bit for bit; no copy).
+                    layer.register_buffer("dense_panels", layer.q4_weight.data, persistent=False)
             else:
                 packed, scales_and_zeros = pack_planes(planes)
                 layer.packed = nn.Parameter(packed.to(self.device), requires_grad=False)

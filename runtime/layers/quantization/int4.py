@@ -132,8 +132,9 @@ def keep_dense_copy(layer: nn.Module, dense: torch.Tensor, ops: CpuOps | None = 
     around it; a float32 one, where the kernels' f32_linear has its AVX2 form, as its panels
     (`dense_panels`: on SmolLM2's GEMMs ~20% faster than oneDNN at 128-1024 rows on a Zen 2;
     level with it there on a Zen 1, 10-30% faster from 12 to 96 rows; bench/RESULTS.md
-    item 28). Else, on the CPU, in oneDNN's blocked layout (`dense_packed`): F.linear on a
-    plain weight re-packs that weight on every call.
+    item 28; past the budget a q4q8 layer's records take their place: gguf.GgufLinearMethod).
+    Else, on the CPU, in oneDNN's blocked layout (`dense_packed`): F.linear on a plain weight
+    re-packs that weight on every call.
     SmolLM2's 120 GEMMs at 64 / 256 / 1024 rows: plain 25-27 / 58-68 / 160-242 ms, packed
     for 256 rows 18.5 / 45 / 154 ms (the default hint's layout lost from 512 rows on;
     bench/RESULTS.md item 19)."""
@@ -160,8 +161,8 @@ def drop_dense_copy(layer: nn.Module) -> None:
 
 
 def has_invariant_copy(layer: nn.Module) -> bool:
-    """Whether `layer`'s dense copy is one of the kernels' (bf16_linear's tiles or
-    f32_linear's panels): a row's result is then the same whatever M (oneDNN's is not)."""
+    """Whether `layer`'s dense copy is one of the kernels' (bf16_linear's tiles, or what
+    f32_linear reads as panels): a row's result is then the same whatever M (oneDNN's is not)."""
     return hasattr(layer, "dense_tiles") or hasattr(layer, "dense_panels")
 
 

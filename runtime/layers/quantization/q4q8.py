@@ -174,9 +174,9 @@ def crossover_rows(timings: Sequence[tuple[int, float, float]], never: int) -> i
     return rows
 
 
-# measure_panels_min_rows times this many bytes of panels or more (a forward streams its
-# weights from memory; one decoder layer's would sit in a big L3), and stops once the
-# panels have won at this many row counts in a row.
+# measure_panels_min_rows times this many bytes of panels (or of the records that stand in
+# for them) or more (a forward streams its weights from memory; one decoder layer's would
+# sit in a big L3), and stops once the panels have won at this many row counts in a row.
 PANELS_TIMED_BYTES = 64 << 20
 PANELS_WINS_TO_STOP = 3
 
