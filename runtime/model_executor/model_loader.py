@@ -147,6 +147,38 @@ def _converted_gguf_dir(gguf_path: Path) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers reads a GGUF three times to convert it (tokenizer, config, weights), each
+    time parsing its whole header with gguf's reader (~250k metadata items for SmolLM2's
+    49k-token vocabulary, ~6 s on a Zen 1), and builds gguf's tensor-name map afresh for
+    each of the model's ~400 modules. Within one conversion the same file gives the same
+    reader and the same (architecture, layers) the same map: each is made once. (Both are
+    only read from: the reader's arrays are a read-only memory map.)"""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+    maps: dict[tuple[object, int], object] = {}
+
+    def one_reader(path: str | os.PathLike[str], mode: str = "r") -> object:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    def one_map(arch: object, n_blocks: int) -> object:
+        if (arch, n_blocks) not in maps:
+            maps[arch, n_blocks] = name_map(arch, n_blocks)  # type: ignore[arg-type]
+        return maps[arch, n_blocks]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, one_map  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map  # type: ignore[misc]
+
+
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
     """Dequantize `gguf_path` into an HF directory at `out` (float32 safetensors)."""
     from safetensors.torch import save_file
@@ -154,7 +186,7 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src, name = str(gguf_path.parent), gguf_path.name
-    with tqdm(total=3, desc=f"Converting {name}", unit="step") as bar:
+    with _gguf_parsed_once(), tqdm(total=3, desc=f"Converting {name}", unit="step") as bar:
         bar.set_postfix_str("tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
         # Keep the chat template inside tokenizer_config.json (not only chat_template.jinja).
