@@ -1,9 +1,12 @@
-// The Python module of the CPU kernels: one extension built from every .cpp here.
-#include <torch/extension.h>
+// The Python module of the CPU kernels: one extension built from every .cpp here. (Only
+// this file includes pybind11, through torch's tensor casters: torch/extension.h, the
+// whole C++ frontend, took 47 s a file to compile on a Zen 1.)
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "ops.h"
 
-void bind_decode_stack(py::module& m);
+namespace py = pybind11;
 
 // The long kernels (a decode batch's attention, the LM head, a linear: 0.5-20 ms) run
 // without the GIL, so the scheduler's round (HTTP streams included) can run beside them;
@@ -11,7 +14,13 @@ void bind_decode_stack(py::module& m);
 using release_gil = py::call_guard<py::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  bind_decode_stack(m);
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<const std::vector<at::Tensor>&, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double,
+                    int64_t>(),
+           py::arg("per_layer"), py::arg("final_norm"), py::arg("cos_sin_cache"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"), py::arg("dense_min_rows"))
+      .def("forward", &DecodeStack::forward, py::arg("h"), py::arg("positions"), py::arg("loc"), py::arg("kv_idx"),
+           py::arg("lens"), py::arg("token_req") = py::none(), release_gil());
   m.def("paged_attention", &paged_attention, "paged attention, one query token at a time (CPU)", release_gil());
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", release_gil());
   m.def("rms_norm", &rms_norm, "weight * rms_norm(x)");

@@ -14,106 +14,64 @@
 //   h = linear(silu_mul(linear(x, gate_up)), down)
 //   final: add_rms_norm_(h, residual, final norm)
 //
-// where linear is q4_linear on the layer's Q4 blocks, or f32_linear on its float32 panels
+// where linear is q4_linear on the layer's Q4 blocks, or f32_linear on its panels (or records)
 // from dense_min_rows rows on (where the layers keep panels: q4q8.dense_min_rows),
 //
 // so its output has the same bits as the module path's. What it saves is the Python
 // between the kernels: ~12 module calls and ~20 tensor views per layer, ~2 ms of a
 // single stream's 7 ms step on SmolLM2's 30 layers.
-#include <torch/extension.h>
-
+#include <utility>
 #include <vector>
 
 #include "ops.h"
 
-namespace {
+DecodeStack::DecodeStack(const std::vector<at::Tensor>& per_layer, at::Tensor final_norm, at::Tensor cos_sin_cache,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
+                         int64_t dense_min_rows)
+    : final_norm_(std::move(final_norm)), cos_sin_cache_(std::move(cos_sin_cache)), heads_(num_heads),
+      kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps), dense_min_rows_(dense_min_rows) {
+  TORCH_CHECK(per_layer.size() % 12 == 0, "12 tensors per layer");
+  for (size_t i = 0; i < per_layer.size(); i += 12) {
+    const auto* t = per_layer.data() + i;
+    layers_.push_back({t[0], t[1], {t[2], t[6]}, {t[3], t[7]}, {t[4], t[8]}, {t[5], t[9]}, t[10], t[11]});
+  }
+}
 
-struct Linear {
-  at::Tensor blocks, panels;  // pack_q4 records; pack_f32_panels' panels or an empty tensor
-};
-
-struct Layer {
-  at::Tensor input_norm, post_norm;
-  Linear qkv, o, gate_up, down;
-  at::Tensor k_buf, v_buf;
-};
-
-}  // namespace
-
-class DecodeStack {
- public:
-  // Per layer, in order: input norm, post-attention norm (weights), qkv, o, gate_up, down
-  // (pack_q4 records), their panels (empty tensors where none), K and V buffers of the KV
-  // pool. Batches of dense_min_rows rows or more take the panels.
-  DecodeStack(const std::vector<at::Tensor>& per_layer, at::Tensor final_norm, at::Tensor cos_sin_cache,
-              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
-              int64_t dense_min_rows)
-      : final_norm_(std::move(final_norm)), cos_sin_cache_(std::move(cos_sin_cache)), heads_(num_heads),
-        kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps), dense_min_rows_(dense_min_rows) {
-    TORCH_CHECK(per_layer.size() % 12 == 0, "12 tensors per layer");
-    for (size_t i = 0; i < per_layer.size(); i += 12) {
-      const auto* t = per_layer.data() + i;
-      layers_.push_back({t[0], t[1], {t[2], t[6]}, {t[3], t[7]}, {t[4], t[8]}, {t[5], t[9]}, t[10], t[11]});
+at::Tensor DecodeStack::forward(at::Tensor h, at::Tensor positions, at::Tensor loc, at::Tensor kv_idx, at::Tensor lens,
+                                std::optional<at::Tensor> token_req) const {
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h: float32 [n, hidden], contiguous");
+  const int64_t n = h.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+  positions = positions.to(at::kLong).contiguous();
+  loc = loc.to(at::kLong).contiguous();
+  kv_idx = kv_idx.to(at::kLong).contiguous();
+  lens = lens.to(at::kLong).contiguous();
+  if (token_req.has_value()) token_req = token_req->to(at::kLong).contiguous();
+  at::Tensor residual;
+  for (const Layer& layer : layers_) {
+    at::Tensor x;
+    if (!residual.defined()) {
+      residual = h;
+      x = rms_norm(h, layer.input_norm, eps_);
+    } else {
+      x = add_rms_norm_(h, residual, layer.input_norm, eps_);
     }
+    at::Tensor qkv = linear(x, layer.qkv);
+    rotary_(qkv, positions, cos_sin_cache_, heads_ + kv_heads_, head_dim_);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({n, heads_, head_dim_});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, kv_heads_, head_dim_});
+    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads_, head_dim_});
+    store_kv(layer.k_buf, layer.v_buf, loc, k, v, false);
+    at::Tensor o = token_req.has_value()
+                       ? paged_attention(q, layer.k_buf, layer.v_buf, kv_idx, *token_req, lens, scale_)
+                       : paged_decode(q, layer.k_buf, layer.v_buf, kv_idx, lens, scale_);
+    h = linear(o.view({n, q_size}), layer.o);
+    x = add_rms_norm_(h, residual, layer.post_norm, eps_);
+    h = linear(silu_mul(linear(x, layer.gate_up)), layer.down);
   }
+  if (!residual.defined()) return rms_norm(h, final_norm_, eps_);
+  return add_rms_norm_(h, residual, final_norm_, eps_);
+}
 
-  // h: the embeddings [n, hidden] (float32; its storage becomes the residual stream);
-  // one new token per request at `positions`, KV written at `loc`; kv_idx / lens as
-  // paged_decode takes them, or with token_req as paged_attention does. Returns the final
-  // norm's output [n, hidden].
-  at::Tensor forward(at::Tensor h, at::Tensor positions, at::Tensor loc, at::Tensor kv_idx, at::Tensor lens,
-                     c10::optional<at::Tensor> token_req) const {
-    TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h: float32 [n, hidden], contiguous");
-    const int64_t n = h.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-    positions = positions.to(at::kLong).contiguous();
-    loc = loc.to(at::kLong).contiguous();
-    kv_idx = kv_idx.to(at::kLong).contiguous();
-    lens = lens.to(at::kLong).contiguous();
-    if (token_req.has_value()) token_req = token_req->to(at::kLong).contiguous();
-    at::Tensor residual;
-    for (const Layer& layer : layers_) {
-      at::Tensor x;
-      if (!residual.defined()) {
-        residual = h;
-        x = rms_norm(h, layer.input_norm, eps_);
-      } else {
-        x = add_rms_norm_(h, residual, layer.input_norm, eps_);
-      }
-      at::Tensor qkv = linear(x, layer.qkv);
-      rotary_(qkv, positions, cos_sin_cache_, heads_ + kv_heads_, head_dim_);
-      at::Tensor q = qkv.narrow(1, 0, q_size).view({n, heads_, head_dim_});
-      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, kv_heads_, head_dim_});
-      at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads_, head_dim_});
-      store_kv(layer.k_buf, layer.v_buf, loc, k, v, false);
-      at::Tensor o = token_req.has_value()
-                         ? paged_attention(q, layer.k_buf, layer.v_buf, kv_idx, *token_req, lens, scale_)
-                         : paged_decode(q, layer.k_buf, layer.v_buf, kv_idx, lens, scale_);
-      h = linear(o.view({n, q_size}), layer.o);
-      x = add_rms_norm_(h, residual, layer.post_norm, eps_);
-      h = linear(silu_mul(linear(x, layer.gate_up)), layer.down);
-    }
-    if (!residual.defined()) return rms_norm(h, final_norm_, eps_);
-    return add_rms_norm_(h, residual, final_norm_, eps_);
-  }
-
- private:
-  at::Tensor linear(const at::Tensor& x, const Linear& w) const {
-    return x.size(0) >= dense_min_rows_ && w.panels.numel() > 0 ? f32_linear(x, w.panels) : q4_linear(x, w.blocks);
-  }
-
-  std::vector<Layer> layers_;
-  at::Tensor final_norm_, cos_sin_cache_;
-  int64_t heads_, kv_heads_, head_dim_;
-  double scale_, eps_;
-  int64_t dense_min_rows_;
-};
-
-void bind_decode_stack(py::module& m) {
-  py::class_<DecodeStack>(m, "DecodeStack")
-      .def(py::init<const std::vector<at::Tensor>&, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double,
-                    int64_t>(),
-           py::arg("per_layer"), py::arg("final_norm"), py::arg("cos_sin_cache"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"), py::arg("dense_min_rows"))
-      .def("forward", &DecodeStack::forward, py::arg("h"), py::arg("positions"), py::arg("loc"), py::arg("kv_idx"),
-           py::arg("lens"), py::arg("token_req") = py::none(), py::call_guard<py::gil_scoped_release>());
+at::Tensor DecodeStack::linear(const at::Tensor& x, const Linear& w) const {
+  return x.size(0) >= dense_min_rows_ && w.panels.numel() > 0 ? f32_linear(x, w.panels) : q4_linear(x, w.blocks);
 }
