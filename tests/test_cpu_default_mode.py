@@ -21,12 +21,13 @@ from bench.quant_model import HELD_OUT_TEXT, agreement
 from config.settings import EngineSettings
 from kernels.cpu import load_cpu_ops
 from runtime.layers.linear import LinearBase
-from runtime.layers.quantization import linear_form, q4q8
+from runtime.layers.quantization import gguf, linear_form, q4q8
 from runtime.model_config import ModelConfig
 from runtime.model_executor.model_loader import load_model
 from runtime.layers.quantization import QuantizationName
 from runtime.model_executor import resolve
 from runtime.model_executor.resolve import resolve_cpu_threads, resolve_quantization_and_dtype
+from runtime.models import cpu_path
 from runtime.models.cpu_path import bind_cpu_ops
 from tests.conftest import assert_all_memory_free
 
@@ -171,9 +172,6 @@ def test_past_the_float32_budget_the_records_stand_in_for_the_copies_with_their_
     ops = load_cpu_ops()
     if ops is None or not ops.q4_linear_isa() or not ops.f32_linear_isa():
         pytest.skip("records are read as panels only with the kernels' AVX2 forms")
-    from runtime.layers.quantization import gguf
-    from runtime.models import cpu_path
-
     monkeypatch.setattr(q4q8, "measured_crossovers", {})
     monkeypatch.setattr(q4q8, "measure_panels_min_rows", lambda layers, ops, repeats=2: 3)
     monkeypatch.setattr(cpu_path, "time_crossover", lambda calls: 3)
