@@ -40,11 +40,17 @@ def _children(pid: int) -> list[int]:
 
 
 def _worker_ranks(pid: int) -> list[int]:
-    """The spawned tensor-parallel ranks among `pid`'s children (not multiprocessing's resource tracker)."""
+    """The tensor-parallel ranks `pid` started: the children of its multiprocessing
+    forkserver (runtime/distributed/launcher.py rank_context), or its spawned children
+    where there is no forkserver; not multiprocessing's resource tracker."""
     ranks = []
     for child in _children(pid):
         cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+        if b"resource_tracker" in cmdline:
+            continue
+        if b"forkserver" in cmdline:
+            ranks += _children(child)
+        elif b"spawn_main" in cmdline:
             ranks.append(child)
     return ranks
 

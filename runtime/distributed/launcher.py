@@ -55,7 +55,7 @@ def init_method(settings: EngineSettings) -> str:
 
 
 def worker_main(rank: int, settings: EngineSettings, method: str) -> None:
-    """Entry point of a spawned worker rank. Exits 0 on SHUTDOWN, 1 on any failure."""
+    """Entry point of a worker rank (forked or spawned, rank_context). Exits 0 on SHUTDOWN, 1 on any failure."""
     from runtime import engine_setup
     from runtime.distributed.parallel_state import destroy_tensor_parallel
     from runtime.model_executor.tp_channel import Command, SideMessage, heartbeat_reply, receive
@@ -96,6 +96,26 @@ def worker_main(rank: int, settings: EngineSettings, method: str) -> None:
     os._exit(0)
 
 
+# What a CPU worker rank imports before it builds its shard (torch, transformers, the model
+# code): ~4 s on a 2-core Zen 1. A forkserver imports it once per process and forks each
+# rank from there, so a process that builds tensor-parallel engines one after another (an
+# offline Engine, the test suite) pays it once. With CUDA the ranks are spawned: nothing
+# that may have touched the driver is forked.
+RANK_PRELOAD = ["runtime.engine_setup", "runtime.model_executor.tp_channel", "runtime.distributed.parallel_state"]
+
+
+def rank_context(settings: EngineSettings) -> mp.context.BaseContext:
+    """A forkserver that has imported RANK_PRELOAD for CPU ranks on Linux; else spawn."""
+    import torch
+
+    cpu = settings.device == "cpu" or (settings.device == "auto" and not torch.cuda.is_available())
+    if not cpu or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
+    return ctx
+
+
 class TPGroup:
     """The worker ranks this node runs: processes, watchdog, heartbeat."""
 
@@ -111,7 +131,7 @@ class TPGroup:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = rank_context(self.settings)
         for rank in self.ranks:
             proc = ctx.Process(target=worker_main, args=(rank, self.settings, self.method), name=f"sluice-tp{rank}", daemon=True)
             proc.start()
