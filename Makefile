@@ -27,14 +27,15 @@ install: $(BASE)
 serve: $(BASE)
 	$(BIN)/sluice serve $(ARGS)
 
-# Two pytest-xdist workers, each taking whole files (module-scoped servers stay shared):
-# much of the suite waits on a process that imports or starts, so two keep both of CI's 2
-# cores busy (a 2-core Zen 1: 18:52 serially, 15:16 so; bench/RESULTS.md item 32).
+# Two pytest-xdist workers, each taking whole files (module-scoped servers stay shared),
+# the longest first (tests/conftest.py LONGEST_FIRST): much of the suite waits on a
+# process that imports or starts, so two keep both of CI's 2 cores busy (a 2-core Zen 1:
+# 18:52 serially, 15:16 so; bench/RESULTS.md item 32).
 # TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 
 test: $(TEST)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 # Everything without model weights, an HF reference or a server subprocess
 # (tests/conftest.py marks the rest `slow`): the scheduler on a stub worker, pools,

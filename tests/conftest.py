@@ -224,8 +224,9 @@ def is_slow(item: pytest.Item) -> bool:
 
 # The longest files, in seconds run serially on a 2-core Zen 1 (2026-11-28): collected
 # first, so that `make test`'s two pytest-xdist workers (one file at a time each,
-# --dist loadfile) start on them and end on the short ones, not one of them on
-# test_tp_server alone. Only the order changes: a stale list costs minutes, not tests.
+# --dist loadfile --no-loadscope-reorder: xdist's own order is by test count) start on
+# them and end on the short ones, not one of them on test_tp_server alone. Only the
+# order changes: a stale list costs minutes, not tests.
 LONGEST_FIRST = (
     "test_pd_router.py",  # 146
     "test_engine_correctness.py",  # 121
@@ -237,6 +238,12 @@ LONGEST_FIRST = (
     "test_prompt_logprobs.py",  # 47
     "test_pd_tp.py",  # 46
     "test_router_dp.py",  # 37
+    "test_cpu_default_mode.py",  # 31
+    "test_engine_behaviour.py",  # 29
+    "test_deterministic_kernels.py",  # 27
+    "test_gguf_smollm2.py",  # 26
+    "test_server_fuzz.py",  # 20
+    "test_server_shutdown.py",  # 20
 )
 
 
