@@ -8,10 +8,7 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #define CPU_CAPABILITY_AVX2
 #endif
-#include <ATen/core/Tensor.h>  // not ATen/ATen.h: every op's header, ~7 s more per file to compile
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/Dispatch.h>
+#include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <cstdint>

@@ -1,9 +1,7 @@
 // The kernels' entry points, one definition each in this directory's .cpp files: what
 // bindings.cpp exposes to Python and decode_stack.cpp calls directly.
 #pragma once
-#include <ATen/core/Tensor.h>  // not ATen/ATen.h: every op's header, ~7 s more per file to compile
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ATen.h>
 
 #include <optional>
 #include <string>

@@ -20,9 +20,7 @@
 #include "attention_span.h"
 #include "cpu_common.h"
 #include "spin_pool.h"
-#include <ATen/core/Tensor.h>  // not ATen/ATen.h: every op's header, ~7 s more per file to compile
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <algorithm>

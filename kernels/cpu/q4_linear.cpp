@@ -42,9 +42,7 @@
 // Batch invariance by construction: a row's quantization, integer dot products and float
 // accumulation (one fma for the d term, one for the m term, group by group in order) are
 // the same whatever M, the row's position in the tile, or the thread count.
-#include <ATen/core/Tensor.h>  // not ATen/ATen.h: every op's header, ~7 s more per file to compile
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>

@@ -12,9 +12,7 @@
 // accumulator. Rows are tiled R at a time only to share the weight load; a row's
 // operations are the same whatever R, M, its position or the thread count.
 #include "spin_pool.h"
-#include <ATen/core/Tensor.h>  // not ATen/ATen.h: every op's header, ~7 s more per file to compile
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #if defined(__AVX512F__)
