@@ -104,9 +104,10 @@ def resolve_deterministic(settings: EngineSettings, device: str, quantization: Q
     logged with why. That is the GGUF blocks on a CPU whose bfloat16 tiles are AVX512-BF16
     (bench/RESULTS.md item 25: prefill, decode, serving and offline within noise or faster,
     a chat's next turn as fast). Off on AMX CPUs (not measured since the mode's kernels
-    changed), without native bfloat16 (no tiles: every prompt would prefill on the Q4
-    blocks), in float modes (16-row blocks), across tensor-parallel ranks (not tested end to
-    end) and off CPU (the mode needs the CPU kernels)."""
+    changed), on AVX2 without native bfloat16 (item 33: a 16-row decode step +18% on a Zen 1,
+    its answers on the Q4 blocks where the default takes the float32 panels from 6 rows), in
+    float modes (16-row blocks), across tensor-parallel ranks (not measured) and off CPU
+    (the mode needs the CPU kernels)."""
     if settings.enable_deterministic_inference is not None:
         return settings
     if device != "cpu" or settings.disable_cpu_kernels:
@@ -114,7 +115,8 @@ def resolve_deterministic(settings: EngineSettings, device: str, quantization: Q
     elif quantization != "gguf" or settings.tp_size > 1:
         on, reason = False, f"quantization={quantization}, tp_size={settings.tp_size}: the cost is only measured free for gguf at tp_size 1"
     elif (feature := cpu_bf16_feature()) != "avx512_bf16":
-        on, reason = False, f"{feature or 'no native bf16'}: its cost is only measured free with AVX512-BF16 tiles"
+        cost = "measured +18% a 16-row decode step on an AVX2 Zen 1, item 33" if feature is None else "not measured since item 24"
+        on, reason = False, f"{feature or 'no native bf16'}: its cost is only measured free with AVX512-BF16 tiles ({cost})"
     else:
         on, reason = True, "gguf on AVX512-BF16 tiles: no measured cost (bench/RESULTS.md item 25)"
     log.info("enable_deterministic_inference auto resolved", enabled=on, reason=reason)
