@@ -52,11 +52,13 @@ constexpr int64_t kRecord4 = 320, kRecord8 = 576;  // bytes of a Q4 / Q8 record 
 // (Inlined into its caller: GCC 12's out-of-line copy stored the 12 sums to the stack on
 // every k, which halved the rate.)
 template <int R>
-__attribute__((always_inline)) inline void tile_panel(const float* a, const float* b, int64_t K, float* y, int64_t N) {
+__attribute__((always_inline)) inline void tile_panel(const float* a, const float* b, int64_t K, float* y, int64_t N,
+                                                      const float* next = nullptr) {
 #if defined(F32_AVX2)
   __m256 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k, a += kTile, b += kLanes) {
+    if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + k * kLanes), _MM_HINT_T1);
     const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 xr = _mm256_broadcast_ss(a + r);
@@ -171,16 +173,23 @@ void block_panels(const float* x, int64_t row0, int64_t rows, int64_t K, const W
     }
   for (int64_t p = p0; p < p1; ++p) {
     const float* b = w.panel(p, scratch);
+    // From two whole tiles on, the second tile (its panel rows come from L2) also brings the
+    // next panel into L2, a line a k: the first tile then finds it there instead of waiting
+    // on memory for each line while the later tiles leave memory idle. On a Zen 1, SmolLM2's
+    // 120 linears at 12 / 16 rows: -12..-17% / -11..-15%; a short second tile (8 rows) made it
+    // slower (bench/RESULTS.md item 33).
+    const float* next = w.panels != nullptr && p + 1 < p1 && rows >= 2 * kTile ? w.panels + (p + 1) * K * kLanes : nullptr;
     for (int64_t t = 0; t < tiles; ++t) {
       const float* at = a + t * K * kTile;
       float* yt = y + (row0 + kTile * t) * N + kLanes * p;
+      const float* pf = t == 1 ? next : nullptr;
       switch (std::min(kTile, rows - kTile * t)) {
-        case 6: tile_panel<6>(at, b, K, yt, N); break;
-        case 5: tile_panel<5>(at, b, K, yt, N); break;
-        case 4: tile_panel<4>(at, b, K, yt, N); break;
-        case 3: tile_panel<3>(at, b, K, yt, N); break;
-        case 2: tile_panel<2>(at, b, K, yt, N); break;
-        default: tile_panel<1>(at, b, K, yt, N); break;
+        case 6: tile_panel<6>(at, b, K, yt, N, pf); break;
+        case 5: tile_panel<5>(at, b, K, yt, N, pf); break;
+        case 4: tile_panel<4>(at, b, K, yt, N, pf); break;
+        case 3: tile_panel<3>(at, b, K, yt, N, pf); break;
+        case 2: tile_panel<2>(at, b, K, yt, N, pf); break;
+        default: tile_panel<1>(at, b, K, yt, N, pf); break;
       }
     }
   }
