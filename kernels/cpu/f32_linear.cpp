@@ -46,6 +46,7 @@ constexpr int64_t kLanes = 16;  // outputs of one panel
 constexpr int64_t kTile = 6;  // x rows of one tile
 constexpr int64_t kBlockBytes = 192 * 1024;  // a block's copy of x
 constexpr int64_t kGroup = 32;  // columns of one record
+constexpr int64_t kPanelAhead = 4096;  // bytes a lone tile prefetches ahead of its panel reads
 constexpr int64_t kRecord4 = 320, kRecord8 = 576;  // bytes of a Q4 / Q8 record (q4_linear.cpp)
 
 // Tile (R rows of x, packed [K][6]) x panel ([K][16]) -> y's R x 16 outputs at row stride N.
@@ -53,12 +54,13 @@ constexpr int64_t kRecord4 = 320, kRecord8 = 576;  // bytes of a Q4 / Q8 record 
 // every k, which halved the rate.)
 template <int R>
 __attribute__((always_inline)) inline void tile_panel(const float* a, const float* b, int64_t K, float* y, int64_t N,
-                                                      const float* next = nullptr) {
+                                                      const float* next = nullptr, bool ahead = false) {
 #if defined(F32_AVX2)
   __m256 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k, a += kTile, b += kLanes) {
     if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + k * kLanes), _MM_HINT_T1);
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(b) + kPanelAhead, _MM_HINT_T0);
     const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 xr = _mm256_broadcast_ss(a + r);
@@ -179,17 +181,22 @@ void block_panels(const float* x, int64_t row0, int64_t rows, int64_t K, const W
     // 120 linears at 12 / 16 rows: -12..-17% / -11..-15%; a short second tile (8 rows) made it
     // slower (bench/RESULTS.md item 33).
     const float* next = w.panels != nullptr && p + 1 < p1 && rows >= 2 * kTile ? w.panels + (p + 1) * K * kLanes : nullptr;
+    // Below that, each panel is read from memory by its one or two tiles: the first tile
+    // then prefetches a page ahead of its reads, as q4_linear does (the hardware streamer
+    // stops at each 4 KB page; bench/RESULTS.md item 20). 4 / 6 / 8 rows: -11..-23%
+    // (item 33); with the next-panel prefetch too, 16 rows ran slower.
+    const bool ahead = w.panels != nullptr && rows < 2 * kTile;
     for (int64_t t = 0; t < tiles; ++t) {
       const float* at = a + t * K * kTile;
       float* yt = y + (row0 + kTile * t) * N + kLanes * p;
       const float* pf = t == 1 ? next : nullptr;
       switch (std::min(kTile, rows - kTile * t)) {
-        case 6: tile_panel<6>(at, b, K, yt, N, pf); break;
-        case 5: tile_panel<5>(at, b, K, yt, N, pf); break;
-        case 4: tile_panel<4>(at, b, K, yt, N, pf); break;
-        case 3: tile_panel<3>(at, b, K, yt, N, pf); break;
-        case 2: tile_panel<2>(at, b, K, yt, N, pf); break;
-        default: tile_panel<1>(at, b, K, yt, N, pf); break;
+        case 6: tile_panel<6>(at, b, K, yt, N, pf, ahead && t == 0); break;
+        case 5: tile_panel<5>(at, b, K, yt, N, pf, ahead && t == 0); break;
+        case 4: tile_panel<4>(at, b, K, yt, N, pf, ahead && t == 0); break;
+        case 3: tile_panel<3>(at, b, K, yt, N, pf, ahead && t == 0); break;
+        case 2: tile_panel<2>(at, b, K, yt, N, pf, ahead && t == 0); break;
+        default: tile_panel<1>(at, b, K, yt, N, pf, ahead && t == 0); break;
       }
     }
   }
