@@ -1,4 +1,5 @@
-"""The CPU kernel is built with -march=native: its cache key names the CPU's instruction set."""
+"""The CPU kernels' build cache: one per instruction set (-march=native), safe against a
+killed build, shared by checkouts, and always built by the same ninja."""
 
 from __future__ import annotations
 
@@ -79,3 +80,25 @@ def test_two_checkouts_of_the_same_sources_build_from_the_same_paths(monkeypatch
     assert {p: p.stat().st_mtime_ns for p in (build_dir / "src").iterdir()} == mtimes, "an unchanged source was rewritten"
     for p in (build_dir / "src").iterdir():
         assert p.read_bytes() == (checkouts[0] / p.name).read_bytes()
+
+
+def test_the_kernels_load_with_sluices_own_ninja_whatever_is_first_on_path(tmp_path: Path) -> None:
+    """`make serve` runs .venv/bin/sluice without the venv on PATH. The kernels must still
+    load, built by the ninja package sluice installs: not by none (the torch paths, several
+    times slower), nor by a system ninja, whose build log another ninja version reads as
+    stale (every switch between the two rebuilt every kernel at a start)."""
+    import os
+    import subprocess
+    import sys
+
+    decoy = tmp_path / "bin"
+    decoy.mkdir()
+    (decoy / "ninja").write_text(f"#!/bin/sh\ntouch {tmp_path / 'decoy-ran'}\nexit 1\n")
+    (decoy / "ninja").chmod(0o755)
+    env = {**os.environ, "PATH": os.pathsep.join([str(decoy), "/usr/local/bin", "/usr/bin", "/bin"])}
+    script = "import kernels.cpu as cpu; ops = cpu.load_cpu_ops(); print(ops is not None and hasattr(ops, 'f32_linear'))"
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900
+    )
+    assert out.stdout.strip().splitlines()[-1:] == ["True"], out.stderr[-2000:]
+    assert not (tmp_path / "decoy-ran").exists(), "the ninja first on PATH ran, not sluice's"

@@ -160,6 +160,27 @@ def _stage_sources(build_dir: Path) -> list[Path]:
     return [src / p.name for p in _SOURCES]
 
 
+@contextmanager
+def _our_ninja() -> Iterator[None]:
+    """torch runs the first `ninja` on PATH. The one sluice depends on (the `ninja` package)
+    sits in this environment's bin directory, on PATH only in an activated shell: `make
+    serve` (.venv/bin/sluice) ran a system ninja or found none (no kernels), an activated
+    shell the package's, and two ninja versions read each other's build log as stale, so
+    every switch rebuilt every kernel (~90 s, at a server start). Here it is always the
+    package's, where installed."""
+    try:
+        import ninja
+    except ImportError:
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
 def load_cpu_ops() -> CpuOps | None:
     """The compiled extension, built on first use (then cached per CPU), or None."""
     if "ops" not in _loaded:
@@ -167,12 +188,12 @@ def load_cpu_ops() -> CpuOps | None:
         try:
             from torch.utils.cpp_extension import is_ninja_available, load
 
-            if not is_ninja_available():
-                raise RuntimeError("ninja is not installed")
             build_dir = _build_dir()
-            if not any(build_dir.glob("*.so")):
-                log.info("building the CPU kernels (once per machine and CPU)...")
-            with _exclusive_build(build_dir):
+            with _our_ninja(), _exclusive_build(build_dir):
+                if not is_ninja_available():
+                    raise RuntimeError("ninja is not installed")
+                if not any(build_dir.glob("*.so")):
+                    log.info("building the CPU kernels (once per machine and CPU)...")
                 module = load(
                     name="sluice_cpu_ops",
                     sources=[str(p) for p in _stage_sources(build_dir)],
