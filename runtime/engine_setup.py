@@ -24,6 +24,7 @@ from runtime.layers.linear import kv_heads_per_rank
 from runtime.model_executor.shard import build_shard, check_tp_size
 from runtime.model_executor.tp_channel import BatchChannel
 from runtime.model_executor.worker import Worker
+from runtime.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -81,8 +82,6 @@ def build_stub(
     """The real scheduler, pools and tokenizer of `settings.model_path` (default: the
     embedded model) around a StubWorker: no weights, no KV tensors, deterministic
     tokens (see runtime/model_executor/stub_worker.py). For fast tests and benchmarks."""
-    from transformers import AutoTokenizer
-
     from runtime.model_executor.stub_worker import StubWorker
 
     model_dir = prepare_model_dir(settings.model_path, settings.load_format)
@@ -90,7 +89,7 @@ def build_stub(
     settings = resolve_settings(dataclasses.replace(settings, device="cpu"), "cpu", config, config.num_kv_heads)
     settings = resolve_pooling(settings, model_dir)
     if tokenizer is None:  # reading it is most of this function's time: tests pass one in
-        tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or model_dir)
+        tokenizer = load_tokenizer(settings.tokenizer_path or model_dir)
     pools = _pools(settings, config)
     assert settings.max_total_tokens
     worker = StubWorker(
@@ -109,8 +108,6 @@ def _start_workers(settings: EngineSettings) -> tuple[TPGroup, str]:
 
 def build(settings: EngineSettings) -> EngineStack:
     """Load rank 0's shard (starting this node's other ranks first) and size the pools."""
-    from transformers import AutoTokenizer
-
     if settings.tp_size > 1:
         model_dir = prepare_model_dir(settings.model_path, settings.load_format)  # converts a GGUF once, here
         check_tp_size(ModelConfig.from_pretrained(model_dir, torch.float32, settings.context_length), settings.tp_size)
@@ -128,7 +125,7 @@ def build(settings: EngineSettings) -> EngineStack:
             raise RuntimeError(f"tensor-parallel start-up failed: {worker_failure}") from exc
         raise
     settings, config, runner = shard.settings, shard.config, shard.runner
-    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or shard.model_dir)
+    tokenizer = load_tokenizer(settings.tokenizer_path or shard.model_dir)
     pools = _pools(settings, config)
     tp = None
     if group is not None:

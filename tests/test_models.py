@@ -23,7 +23,7 @@ from runtime.model_executor.model_loader import (
 )
 from runtime.model_executor.resolve import resolve_dtype
 from runtime.layers.layernorm import RMSNorm
-from runtime.layers.rotary_embedding import rope_inv_freq, rope_parameters
+from runtime.layers.rotary_embedding import rope_inv_freq
 
 
 @torch.no_grad()
@@ -62,7 +62,7 @@ def test_default_model_config_and_chat_template(smollm2_dir: Path) -> None:
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (30, 576, 9, 3)
     assert (config.head_dim, config.vocab_size, config.context_len) == (64, 49152, 8192)
     assert config.eos_token_ids == (2,) and config.tie_word_embeddings
-    assert rope_parameters(config.hf_config)["rope_theta"] == 100000.0
+    assert config.rope_parameters["rope_theta"] == 100000.0
     assert ModelConfig.from_pretrained(smollm2_dir, torch.float32, context_length=512).context_len == 512
     with pytest.raises(ValueError, match="exceeds"):
         ModelConfig.from_pretrained(smollm2_dir, torch.float32, context_length=10**6)
@@ -194,16 +194,6 @@ def test_llama3_rope_scaling_slows_only_long_wavelengths() -> None:
     scaled = rope_inv_freq(16, LLAMA3_ROPE)
     assert scaled[0] == base[0]  # highest frequency untouched
     assert torch.allclose(scaled[-1], base[-1] / 8.0)  # lowest frequency slowed by `factor`
-
-
-def test_rope_parameters_reads_old_and_new_configs() -> None:
-    class Old:
-        rope_theta = 5e5
-        rope_scaling = {"type": "linear", "factor": 2.0}
-
-    assert rope_parameters(Old()) == {"type": "linear", "factor": 2.0, "rope_theta": 5e5, "rope_type": "linear"}
-    new = rope_parameters(LlamaConfig(rope_parameters=LLAMA3_ROPE))
-    assert new["rope_type"] == "llama3" and new["rope_theta"] == 500000.0
 
 
 def test_missing_default_model_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,5 @@
-"""Rotary position embedding: rope parameters from HF configs, the cos/sin cache, the rotation."""
+"""Rotary position embedding: inverse frequencies per rope type (the parameters come from
+runtime.model_config.rope_parameters), the cos/sin cache, the rotation."""
 
 from __future__ import annotations
 
@@ -7,20 +8,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-
-
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """`{"rope_type", "rope_theta", ...scaling fields}` from a transformers 5 config
-    (`rope_parameters`) or an older one (`rope_theta` + `rope_scaling`)."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type dict
-        params = params["full_attention"]
-    if not isinstance(params, dict) or "rope_theta" not in params:
-        scaling = getattr(hf_config, "rope_scaling", None) or {}
-        params = {**scaling, "rope_theta": getattr(hf_config, "rope_theta", 10000.0)}
-    params = dict(params)
-    params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
-    return params
 
 
 def rope_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:

@@ -24,7 +24,7 @@ from runtime.layers.attention import RadixAttention
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import QKVParallelLinear, RowParallelLinear
 from runtime.layers.logits_processor import LogitsProcessor
-from runtime.layers.rotary_embedding import RopeInputs, RotaryEmbedding, apply_rotary, rope_parameters
+from runtime.layers.rotary_embedding import RopeInputs, RotaryEmbedding, apply_rotary
 from runtime.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.weights import LazyWeight, Shape, ShardId, checkpoint_shapes_of, weight_loader_of
 
@@ -55,7 +55,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.attn = RadixAttention(layer_id, self.head_dim**-0.5)
         self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
-        eps = config.hf_config.rms_norm_eps
+        eps = config.rms_norm_eps
         # Qwen3: per-head RMSNorm on q and k before rope (per head, so local to each rank).
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
@@ -83,11 +83,10 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, **attn_flags: bool) -> None:
         super().__init__()
-        hf = config.hf_config
         self.self_attn = LlamaAttention(config, layer_id, **attn_flags)
-        self.mlp = SiluAndMulMLP(config.hidden_size, hf.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
+        self.mlp = SiluAndMulMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs, fb: AttentionBatch
@@ -107,11 +106,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, **attn_flags: bool) -> None:
         super().__init__()
-        hf = config.hf_config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.context_len, rope_parameters(hf))
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.context_len, config.rope_parameters)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, **attn_flags) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # The layers of a decode batch in one C++ call, or None (the module path) for a batch
         # it does not take; set by runtime.models.cpu_path.bind_cpu_ops.
         self.decode_stack: Callable[[torch.Tensor, torch.Tensor, AttentionBatch], torch.Tensor | None] | None = None
@@ -141,14 +139,16 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        hf = config.hf_config
-        if getattr(hf, "mlp_bias", False):
+        if config.mlp_bias:
             raise NotImplementedError("mlp_bias=True checkpoints are not supported")
-        if getattr(hf, "use_sliding_window", False):
-            raise NotImplementedError("sliding-window attention is not supported")
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"hidden_act={hf.hidden_act!r} is not supported (silu is)")
-        attention_bias = bool(getattr(hf, "attention_bias", False))
+        window = config.sliding_window
+        if window is not None and window < config.context_len:  # a window past the context is full attention
+            raise NotImplementedError(
+                f"sliding_window={window} < context_len={config.context_len}: pass a context_length <= {window}"
+            )
+        if config.hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act={config.hidden_act!r} is not supported (silu is)")
+        attention_bias = config.attention_bias
         self.config = config
         self.model = LlamaModel(
             config,
@@ -212,12 +212,4 @@ class LlamaForCausalLM(nn.Module):
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral checkpoints are Llama checkpoints when the sliding window (if any)
-    covers the whole context."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        window = getattr(config.hf_config, "sliding_window", None)
-        if window is not None and window < config.context_len:
-            raise NotImplementedError(
-                f"sliding_window={window} < context_len={config.context_len}: pass a context_length <= {window}"
-            )
-        super().__init__(config)
+    covers the whole context (checked in LlamaForCausalLM)."""
