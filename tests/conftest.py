@@ -110,11 +110,16 @@ def hf_oracle(model_dir: Path) -> HFOracle:
 NEAR_TIE_LOGPROB = 1e-3
 
 
+def first_difference(ours: list[int], ref: list[int]) -> int:
+    """The index of the first token that differs, or the shorter length where none does."""
+    return next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+
+
 def assert_greedy_equal(oracle: HFOracle, prompt: list[int], ours: list[int], max_new_tokens: int) -> None:
     ref = oracle.greedy(prompt, max_new_tokens)
     if ours == ref[: len(ours)] and len(ours) == len(ref):
         return
-    j = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    j = first_difference(ours, ref)
     assert j < min(len(ours), len(ref)), f"length differs: ours={len(ours)} ref={len(ref)}"
     lp = oracle.logprobs_after(prompt + ours[:j])
     gap = abs(float(lp[ours[j]] - lp[ref[j]]))

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import HFOracle, assert_all_memory_free, assert_greedy_equal
+from tests.conftest import HFOracle, assert_all_memory_free, assert_greedy_equal, first_difference
 from tests.tiny_checkpoints import make_llama_checkpoint
 
 MAX_NEW = 12
@@ -116,7 +116,7 @@ def test_tp3_gguf_blocks_on_the_embedded_model_equal_tp1s_up_to_near_ties(prompt
         outs = engine.generate(prompts, params, return_logprob=True)
         for ref, out in zip(refs, outs):
             ours, theirs = out["output_ids"], ref["output_ids"]
-            j = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+            j = first_difference(ours, theirs)  # same lengths: len(ours) where none differs
             ours_lp = [lp for lp, _ in out["meta_info"]["output_token_logprobs"][: j + 1]]
             theirs_lp = [lp for lp, _ in ref["meta_info"]["output_token_logprobs"][: j + 1]]
             assert max(abs(a - b) for a, b in zip(ours_lp, theirs_lp)) < TP_GGUF_LOGPROB, (ours_lp, theirs_lp)

@@ -190,13 +190,14 @@ void block_panels(const float* x, int64_t row0, int64_t rows, int64_t K, const W
       const float* at = a + t * K * kTile;
       float* yt = y + (row0 + kTile * t) * N + kLanes * p;
       const float* pf = t == 1 ? next : nullptr;
+      const bool pa = ahead && t == 0;
       switch (std::min(kTile, rows - kTile * t)) {
-        case 6: tile_panel<6>(at, b, K, yt, N, pf, ahead && t == 0); break;
-        case 5: tile_panel<5>(at, b, K, yt, N, pf, ahead && t == 0); break;
-        case 4: tile_panel<4>(at, b, K, yt, N, pf, ahead && t == 0); break;
-        case 3: tile_panel<3>(at, b, K, yt, N, pf, ahead && t == 0); break;
-        case 2: tile_panel<2>(at, b, K, yt, N, pf, ahead && t == 0); break;
-        default: tile_panel<1>(at, b, K, yt, N, pf, ahead && t == 0); break;
+        case 6: tile_panel<6>(at, b, K, yt, N, pf, pa); break;
+        case 5: tile_panel<5>(at, b, K, yt, N, pf, pa); break;
+        case 4: tile_panel<4>(at, b, K, yt, N, pf, pa); break;
+        case 3: tile_panel<3>(at, b, K, yt, N, pf, pa); break;
+        case 2: tile_panel<2>(at, b, K, yt, N, pf, pa); break;
+        default: tile_panel<1>(at, b, K, yt, N, pf, pa); break;
       }
     }
   }
