@@ -48,6 +48,22 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **SMALL, "num_key_value_heads": 2, "head_dim": 32,
         "rope_theta": 1e6, "tie_word_embeddings": True, "eos_token_id": 151645, "max_position_embeddings": 40960,
     },
+    # Shapes of released checkpoints' config.json, other keys as they ship them.
+    "llama-3.1-like": {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], **SMALL, "num_key_value_heads": 2,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0, "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009], "pretraining_tp": 1, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5,
+        "rope_scaling": {**LLAMA3_SCALING, "original_max_position_embeddings": 8192},
+    },
+    "qwen2.5-like": {
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], **SMALL, "num_key_value_heads": 2,
+        "max_position_embeddings": 32768, "max_window_layers": 28, "rope_scaling": None, "rope_theta": 1000000.0,
+        "sliding_window": 131072, "use_sliding_window": False, "tie_word_embeddings": True, "eos_token_id": 151645,
+    },
+    "mistral-v0.3-like": {
+        "model_type": "mistral", "architectures": ["MistralForCausalLM"], **SMALL, "num_key_value_heads": 2,
+        "max_position_embeddings": 32768, "rope_theta": 1000000.0, "sliding_window": None, "eos_token_id": 2,
+    },
 }  # fmt: skip
 
 
