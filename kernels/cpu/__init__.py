@@ -170,11 +170,13 @@ def _our_ninja() -> Iterator[None]:
     package's, where installed."""
     try:
         import ninja
-    except ImportError:
+
+        bin_dir = str(ninja.BIN_DIR)
+    except (ImportError, AttributeError):  # not installed, or a package without BIN_DIR
         yield
         return
     path = os.environ.get("PATH", "")
-    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
+    os.environ["PATH"] = os.pathsep.join([bin_dir, path])
     try:
         yield
     finally:
