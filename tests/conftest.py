@@ -215,6 +215,7 @@ SLOW_TESTS = frozenset(
         "tests/test_bench_tp.py::test_all_reduce_bench_reports_latencies_and_the_collective_share",  # spawns TP ranks
         "tests/test_models.py::test_gguf_q_k_rows_are_unpermuted_to_hf_layout",  # reads the real GGUF
         "tests/test_gguf_smollm2.py",  # --quantization gguf on the real GGUF
+        "tests/test_random_gguf.py",  # copies the real GGUF's tokenizer (its header parse: ~6 s)
         "tests/test_cpu_default_mode.py",  # quantization=auto on the real GGUF
         "tests/test_pd_tp.py",  # prefill and decode servers at --tp-size 2
     }
