@@ -216,6 +216,10 @@ SLOW_TESTS = frozenset(
         "tests/test_models.py::test_gguf_q_k_rows_are_unpermuted_to_hf_layout",  # reads the real GGUF
         "tests/test_gguf_smollm2.py",  # --quantization gguf on the real GGUF
         "tests/test_random_gguf.py",  # copies the real GGUF's tokenizer (its header parse: ~6 s)
+        "tests/test_tp.py::test_tp3_gguf_blocks_on_the_embedded_model_equal_tp1s_up_to_near_ties",  # real GGUF, 3 ranks
+        "tests/test_model_config.py::test_tokenizer_loads_as_autotokenizer_loads_it",  # the real tokenizer
+        "tests/test_model_config.py::test_start_up_reads_config_and_tokenizer_without_transformers_config_classes",
+        "tests/test_cpu_kernel_cache.py::test_the_kernels_load_with_sluices_own_ninja_whatever_is_first_on_path",
         "tests/test_cpu_default_mode.py",  # quantization=auto on the real GGUF
         "tests/test_pd_tp.py",  # prefill and decode servers at --tp-size 2
     }
