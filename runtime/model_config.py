@@ -115,15 +115,11 @@ class ModelConfig:
     # The attention window the checkpoint trained with, None for full attention (Qwen's
     # windows only when `use_sliding_window`); a model runs it only if it spans the context.
     sliding_window: int | None
-    rope: tuple[tuple[str, Any], ...]  # rope_parameters(), as sorted items (a frozen field)
+    rope_parameters: dict[str, Any]  # rope_parameters(config.json): rope_type, rope_theta, scaling
     dtype: torch.dtype
     kv_dtype: torch.dtype  # the KV cache's; the model dtype unless kv_cache_dtype says otherwise
     eos_token_ids: tuple[int, ...]  # config.json's then generation_config.json's, deduplicated
     tie_word_embeddings: bool
-
-    @property
-    def rope_parameters(self) -> dict[str, Any]:
-        return dict(self.rope)
 
     @classmethod
     def from_pretrained(
@@ -145,7 +141,8 @@ class ModelConfig:
             eos += _as_ids(json.loads(gen_path.read_text()).get("eos_token_id"))
 
         num_heads = cfg["num_attention_heads"]
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        # Llama has none (a stray key is ignored, as LlamaConfig does); Qwen's counts only when used.
+        no_window = cfg["model_type"] == "llama" or not cfg.get("use_sliding_window", True)
         return cls(
             architecture=architectures[0],
             num_layers=cfg["num_hidden_layers"],
@@ -160,8 +157,8 @@ class ModelConfig:
             hidden_act=cfg["hidden_act"],
             attention_bias=bool(cfg["attention_bias"]),
             mlp_bias=bool(cfg["mlp_bias"]),
-            sliding_window=window if cfg["model_type"] != "llama" else None,
-            rope=tuple(sorted(rope_parameters(cfg).items())),
+            sliding_window=None if no_window else cfg.get("sliding_window"),
+            rope_parameters=rope_parameters(cfg),
             dtype=dtype,
             kv_dtype=dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype),
             eos_token_ids=tuple(dict.fromkeys(eos)),
