@@ -105,6 +105,7 @@ def main() -> None:
     p.add_argument("--type", choices=["Q4_0", "Q4_1", "Q8_0"], default="Q4_1")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
+    a.output.parent.mkdir(parents=True, exist_ok=True)
     write_random_gguf(
         a.output, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads, intermediate=a.intermediate, layers=a.layers,
         qtype=a.type, seed=a.seed,
