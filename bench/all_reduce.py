@@ -1,11 +1,12 @@
 """`sluice bench all-reduce`: the collectives of a tensor-parallel step, measured.
 
-1. Latency of one all-reduce per message size over a group of --tp-size ranks
-   (gloo on CPU): through sluice's tensor_model_parallel_all_reduce and through
-   torch.distributed.all_reduce directly, interleaved on the same ranks.
+1. Latency of one all-reduce per message size over a group of --tp-size ranks on this
+   machine: through sluice's tensor_model_parallel_all_reduce (shared memory on CPU,
+   runtime/distributed/shm_comm.py; gloo with --disable-custom-all-reduce) and through
+   torch.distributed.all_reduce directly (gloo), interleaved on the same ranks.
 2. With --model-path (or the default model / --load-format dummy): the share of a
    tensor-parallel decode step that rank 0 spends in collectives, from torch.profiler
-   (time inside gloo all-reduce / all-gather / broadcast ops over the forward's time).
+   (time inside shm / gloo all-reduce, all-gather and broadcast ops over the forward's time).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from bench.engine_runs import add_engine_arguments, close_engine, engine_setting
 from bench.metrics import save_records
 
 # torch.profiler's events for one collective as the calling rank sees it (its wait for
-# the other ranks included): "gloo:all_reduce", "gloo:all_gather", "gloo:broadcast", ...
-COLLECTIVE_PREFIXES = ("gloo:", "nccl:")
+# the other ranks included): "shm:all_reduce", "gloo:all_reduce", "gloo:broadcast", ...
+COLLECTIVE_PREFIXES = ("shm:", "gloo:", "nccl:")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,14 +40,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(rank: int, size: int, port: int, sizes: list[int], iters: int, out: Any) -> None:
+def _rank_main(rank: int, size: int, port: int, sizes: list[int], iters: int, shm: bool, out: Any) -> None:
     import torch
     import torch.distributed as dist
 
     from runtime.distributed.parallel_state import init_tensor_parallel, tensor_model_parallel_all_reduce
 
     torch.set_num_threads(1)
-    init_tensor_parallel(rank, size, f"tcp://127.0.0.1:{port}", torch.device("cpu"), 60.0)
+    init_tensor_parallel(rank, size, f"tcp://127.0.0.1:{port}", torch.device("cpu"), 60.0, shm=shm)
     results = []
     for n in sizes:
         x = torch.ones(n)
@@ -67,13 +68,13 @@ def _rank_main(rank: int, size: int, port: int, sizes: list[int], iters: int, ou
     dist.destroy_process_group()
 
 
-def measure_all_reduce(size: int, sizes: list[int], iters: int) -> list[dict[str, Any]]:
+def measure_all_reduce(size: int, sizes: list[int], iters: int, shm: bool = True) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, size, port, sizes, iters, queue)) for r in range(size)]
+    procs = [ctx.Process(target=_rank_main, args=(r, size, port, sizes, iters, shm, queue)) for r in range(size)]
     for p in procs:
         p.start()
     try:
@@ -124,8 +125,10 @@ def measure_step_share(args: argparse.Namespace) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     size = max(args.tp_size, 2)
     print(__doc__.split("\n\n", 1)[1].strip())
-    records: list[dict[str, Any]] = measure_all_reduce(size, args.sizes, args.iters)
-    print(f"\nAll-reduce over {size} ranks (gloo, loopback), median of {args.iters}:")
+    shm = not getattr(args, "disable_custom_all_reduce", False)
+    records: list[dict[str, Any]] = measure_all_reduce(size, args.sizes, args.iters, shm)
+    path = "shared memory" if shm else "gloo"
+    print(f"\nAll-reduce over {size} ranks on this machine (sluice: {path}; torch.distributed: gloo), median of {args.iters}:")
     print(f"{'elements':>10} {'bytes':>10} {'sluice us':>10} {'torch.distributed us':>21}")
     for r in records:
         print(f"{r['elements']:>10} {r['bytes']:>10} {r['sluice_median_us']:>10.1f} {r['torch.distributed_median_us']:>21.1f}")

@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from runtime.distributed.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
     tensor_model_parallel_all_reduce,
 )
-from tests.server_helpers import free_port
+from tests.server_helpers import free_port, join_ranks, spawn_rank
 
 TIMEOUT_S = 1.0  # a collective's bound
 LATE_S = 4 * TIMEOUT_S  # how late rank 1 joins
@@ -50,27 +49,10 @@ def _rank_main(rank: int, init_method: str, workdir: str) -> None:
         raise
 
 
-def _spawn(target: object, *args: object) -> mp.Process:
-    proc = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
-    proc.start()
-    return proc
-
-
-def _join(procs: list[mp.Process]) -> None:
-    try:
-        for p in procs:
-            p.join(120)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-
-
 def test_a_late_rank_joins_and_a_missing_rank_fails_the_collective(tmp_path: Path) -> None:
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    procs = [_spawn(_rank_main, r, init_method, str(tmp_path)) for r in range(2)]
-    _join(procs)
+    procs = [spawn_rank(_rank_main, r, init_method, str(tmp_path)) for r in range(2)]
+    join_ranks(procs)
     results = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
     assert results[1] == "sum 3", results[1]
     assert results[0] == "sum 3\nsecond all-reduce timed out", results[0]
@@ -92,19 +74,19 @@ def test_a_group_that_failed_to_build_does_not_break_the_next_one_in_the_process
     """An offline `Engine(tp_size=2)` whose rank died while starting is followed by one that
     works, in the same process (rank 0 is this test's process)."""
     port = free_port()
-    dead = _spawn(_rank1_leaves_after_the_store, port)
+    dead = spawn_rank(_rank1_leaves_after_the_store, port)
     try:
         with pytest.raises(RuntimeError):
             init_tensor_parallel(0, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=TIMEOUT_S)
     finally:
-        _join([dead])
+        join_ranks([dead])
 
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    live = _spawn(_rank1_all_reduces, init_method)
+    live = spawn_rank(_rank1_all_reduces, init_method)
     try:
         init_tensor_parallel(0, 2, init_method, torch.device("cpu"), timeout_s=30)
         assert tensor_model_parallel_all_reduce(torch.ones(1)).item() == 2.0
     finally:
         destroy_tensor_parallel()
-        _join([live])
+        join_ranks([live])
     assert live.exitcode == 0

@@ -13,6 +13,8 @@ One extension, `sluice_cpu_ops`, from every .cpp in this directory:
   bf16_linear.cpp   bfloat16 x bfloat16 -> float32 on AMX or AVX512-BF16 (the dense copies' path)
   f32_linear.cpp    float32 GEMM on AVX2's FMA units (the dense copies' path without native bf16)
   decode_stack.cpp  a decode batch's decoder layers in one call, from the kernels above
+  shm_comm.cpp      tensor-parallel collectives between the ranks of one machine, in
+                    shared memory (runtime/distributed/shm_comm.py)
   cpu_common.h      the vector ISA at::vec compiles for; K/V row widening
   spin_pool.h       the kernels' threads: they spin between the calls of a step, where
                     OpenMP's, with two teams in the process, sleep and must be woken
@@ -40,6 +42,17 @@ log = structlog.get_logger("sluice.kernels")
 _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _loaded: dict[str, CpuOps | None] = {}
+
+
+class ShmCommClass(Protocol):
+    """kernels/cpu/shm_comm.cpp's class: the constructor and its one static method."""
+
+    def __call__(
+        self, segment: torch.Tensor, rank: int, world: int, slot_bytes: int, pids: list[int], start_times: list[int],
+        spin_us: float,
+    ) -> object: ...  # fmt: skip
+
+    def segment_bytes(self, world: int, slot_bytes: int) -> int: ...
 
 
 class CpuOps(Protocol):
@@ -92,6 +105,9 @@ class CpuOps(Protocol):
     def bf16_linear(self, x: torch.Tensor, packed: torch.Tensor, isa: str = "") -> torch.Tensor: ...
 
     def bf16_linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor, isa: str = "") -> torch.Tensor: ...
+
+    # a class: runtime/distributed/shm_comm.py builds it and calls its collectives
+    ShmComm: ShmCommClass
 
 
 def _cpu_flags() -> bytes:

@@ -44,4 +44,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear_silu_mul", &bf16_linear_silu_mul, "silu(gate) * up from a gate|up layer's bf16_linear tiles",
         py::arg("x"), py::arg("packed"), py::arg("isa") = "", release_gil());
   m.def("q8_linear", &q8_linear, "x @ W.T with W in int8 blocks of 32", release_gil());
+  // The collectives wait on other processes: without the GIL, as gloo's do.
+  py::class_<ShmComm>(m, "ShmComm")
+      .def(py::init<at::Tensor, int64_t, int64_t, int64_t, std::vector<int64_t>, std::vector<int64_t>, double>(),
+           py::arg("segment"), py::arg("rank"), py::arg("world"), py::arg("slot_bytes"), py::arg("pids"),
+           py::arg("start_times"), py::arg("spin_us"))
+      .def_static("segment_bytes", &ShmComm::segment_bytes, py::arg("world"), py::arg("slot_bytes"))
+      .def("all_reduce_", &ShmComm::all_reduce_, py::arg("x"), py::arg("timeout_s"), release_gil())
+      .def("all_gather", &ShmComm::all_gather, py::arg("x"), py::arg("timeout_s"), release_gil())
+      .def("broadcast_", &ShmComm::broadcast_, py::arg("x"), py::arg("root"), py::arg("timeout_s"), release_gil());
 }

@@ -3,6 +3,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <chrono>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -60,4 +62,37 @@ class DecodeStack {
   int64_t heads_, kv_heads_, head_dim_;
   double scale_, eps_;
   int64_t dense_min_rows_;
+};
+
+// The tensor-parallel collectives of the ranks on one machine, through a shared memory
+// segment (shm_comm.cpp; runtime/distributed/shm_comm.py maps it). Every rank calls the
+// same ops in the same order; each raises after timeout_s (<= 0: never) or when a peer's
+// process has exited.
+class ShmComm {
+ public:
+  ShmComm(at::Tensor segment, int64_t rank, int64_t world, int64_t slot_bytes, std::vector<int64_t> pids,
+          std::vector<int64_t> start_times, double spin_us);
+  static int64_t segment_bytes(int64_t world, int64_t slot_bytes);
+
+  void all_reduce_(at::Tensor x, double timeout_s);          // x = the sum of every rank's x, in place
+  at::Tensor all_gather(at::Tensor x, double timeout_s);     // [world, *x.shape]: rank r's x at [r]
+  void broadcast_(at::Tensor x, int64_t root, double timeout_s);  // x = root's x, in place
+
+ private:
+  struct Header;
+  struct RankState;
+  uint8_t* slot(int64_t rank, uint64_t op) const;
+  void arrive(uint64_t op);
+  bool all_arrived(uint64_t op) const;
+  void wait_all(uint64_t op, double timeout_s) const;
+
+  at::Tensor segment_;  // keeps the mapping alive
+  int64_t rank_, world_, slot_bytes_;
+  std::vector<int64_t> pids_, start_times_;
+  std::chrono::steady_clock::duration spin_;
+  Header* header_ = nullptr;
+  RankState* ranks_ = nullptr;
+  uint8_t* data_ = nullptr;
+  uint64_t op_ = 0;
+  std::mutex mu_;  // one op at a time per process: op_ and the slots are this rank's
 };

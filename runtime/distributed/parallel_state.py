@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from runtime.distributed.shm_comm import ShmGroup, open_shm_group
+
 
 @dataclass(frozen=True, slots=True)
 class TPInfo:
@@ -23,6 +25,7 @@ class TPInfo:
 
 
 _TP = TPInfo(rank=0, size=1, device=torch.device("cpu"))
+_SHM: ShmGroup | None = None  # the ranks' collectives in shared memory (one machine, CPU), else gloo's
 
 # How long the ranks may take to meet. Rank 0's store waits for processes that are still
 # importing torch and loading a shard (seconds on a slow CPU) or for nodes started by hand,
@@ -30,13 +33,16 @@ _TP = TPInfo(rank=0, size=1, device=torch.device("cpu"))
 RENDEZVOUS_TIMEOUT_S = 600.0
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float) -> None:
+def init_tensor_parallel(
+    rank: int, size: int, init_method: str, device: torch.device, timeout_s: float, shm: bool = True
+) -> None:
     """Join the group of `size` ranks rendezvousing at `init_method` (tcp://host:port).
 
     `timeout_s` bounds every collective: a rank that dies or hangs makes the others'
     next collective raise instead of waiting forever. Meeting the other ranks may take
-    up to max(timeout_s, RENDEZVOUS_TIMEOUT_S)."""
-    global _TP
+    up to max(timeout_s, RENDEZVOUS_TIMEOUT_S). `shm`: on CPU, run the collectives in
+    shared memory where every rank is on this machine (runtime/distributed/shm_comm.py)."""
+    global _TP, _SHM
     if size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         host, port = _host_port(init_method)
@@ -55,6 +61,8 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
             if not dist.is_initialized():
                 dist.distributed_c10d._world.group_count = 0
             raise
+        if shm and device.type == "cpu":
+            _SHM = open_shm_group(store, rank, size, timeout_s)
     _TP = TPInfo(rank, size, device)
 
 
@@ -69,10 +77,10 @@ def _host_port(init_method: str) -> tuple[str, int]:
 def destroy_tensor_parallel(abandon: bool = False) -> None:
     """Leave the group. `abandon`: a rank failed, so skip the teardown (which may wait
     on it); the process is about to exit and the OS reclaims the sockets."""
-    global _TP
+    global _TP, _SHM
     if dist.is_initialized() and not abandon:
         dist.destroy_process_group()
-    _TP = TPInfo(0, 1, _TP.device)
+    _TP, _SHM = TPInfo(0, 1, _TP.device), None
 
 
 def get_tp_rank() -> int:
@@ -98,7 +106,10 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the ranks (in place when tp_size > 1)."""
     if _TP.size == 1:
         return x
-    dist.all_reduce(x)
+    if _SHM is not None and _SHM.serves(x, reduce=True):
+        _SHM.all_reduce_(x)
+    else:
+        dist.all_reduce(x)
     return x
 
 
@@ -106,6 +117,8 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     """Concatenate every rank's `x` along `dim`, in rank order."""
     if _TP.size == 1:
         return x
+    if _SHM is not None and _SHM.serves(x):
+        return torch.cat(_SHM.all_gather(x).unbind(0), dim=dim)
     parts = [torch.empty_like(x) for _ in range(_TP.size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=dim)
@@ -113,6 +126,8 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
 
 def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
     """Rank 0's `x` on every rank (in place; same shape and dtype on all ranks)."""
-    if _TP.size > 1:
+    if _TP.size > 1 and _SHM is not None and _SHM.serves(x):
+        _SHM.broadcast_(x, 0)
+    elif _TP.size > 1:
         dist.broadcast(x, src=0)
     return x

@@ -76,7 +76,7 @@ def build_shard(settings: EngineSettings, rank: int, init_method: str | None) ->
     dev = torch.device(device, rank % per_node) if device == "cuda" else torch.device(device)
     if tp > 1:
         assert init_method is not None
-        init_tensor_parallel(rank, tp, init_method, dev, settings.dist_timeout)
+        init_tensor_parallel(rank, tp, init_method, dev, settings.dist_timeout, shm=not settings.disable_custom_all_reduce)
     if device == "cpu":
         torch.set_num_threads(resolve_cpu_threads(settings.num_threads, per_node))
     if settings.enable_deterministic_inference and (device != "cpu" or settings.disable_cpu_kernels):
