@@ -49,7 +49,7 @@ class EngineSettings:
         "int4: groups of 32, packed at load from the float weights; gguf: keep a GGUF file's own "
         "Q4_0/Q4_1/Q8_0 blocks, loaded straight into packed form (with dtype auto: float32 activations; "
         "on AVX512-VNNI CPUs Q4 layers multiply the blocks by 16-bit fixed-point activations in C++). "
-        "auto = gguf for a GGUF model on CPU at tp_size 1, else none. Embedding and LM head stay float "
+        "auto = gguf for a GGUF model on CPU, else none. Embedding and LM head stay float "
         "(a float32 LM head that is exactly Q8_0 blocks, as a GGUF's, is read as those blocks by the CPU kernels)."
     )
     device: Literal["auto", "cpu", "cuda"] = knob("auto", "Where the model runs. auto = cuda if available.")

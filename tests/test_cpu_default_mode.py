@@ -39,6 +39,7 @@ def resolved(model_dir: Path, device: str = "cpu", **knobs: Any) -> tuple[str, t
 
 def test_auto_runs_a_gguf_model_on_its_own_blocks_in_float32(model_dir: Path) -> None:
     assert resolved(model_dir) == ("gguf", torch.float32)
+    assert resolved(model_dir, tp_size=2) == ("gguf", torch.float32)  # each rank its share of the blocks (item 35)
     assert resolved(model_dir, dtype="bfloat16") == ("gguf", torch.bfloat16)  # an explicit dtype stays
     assert resolved(model_dir, quantization="none", dtype="float32") == ("none", torch.float32)
 
@@ -57,7 +58,7 @@ def test_auto_leaves_other_models_and_setups_unquantized(model_dir: Path, tmp_pa
     (tmp_path / "config.json").write_text("{}")  # an HF directory: no GGUF behind it
     assert resolved(tmp_path, dtype="float32") == ("none", torch.float32)
     assert resolved(model_dir, dtype="float32", load_format="dummy") == ("none", torch.float32)
-    assert resolved(model_dir, dtype="float32", tp_size=2) == ("none", torch.float32)
+    assert resolved(model_dir, dtype="float32", device="cuda") == ("none", torch.float32)
     settings, quant, _ = resolve_quantization_and_dtype(EngineSettings(), "cpu", model_dir)
     assert settings.quantization == quant == "gguf", "the resolved value is what server_info reports"
 

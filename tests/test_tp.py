@@ -76,10 +76,12 @@ def test_tp2_kv_pool_holds_only_this_ranks_heads(tp_engine: Any) -> None:
 
 
 def test_tp3_on_the_embedded_model_equals_hf(hf_oracle: HFOracle, prompts: list[list[int]]) -> None:
-    """SmolLM2 (9 heads, 3 KV heads) split three ways, GGUF converted once and read sharded."""
+    """SmolLM2 (9 heads, 3 KV heads) split three ways, GGUF converted once and read sharded
+    (its weights in float32: the HF oracle's mode; the default, the file's own blocks, is
+    the next test's)."""
     from runtime import Engine
 
-    engine = Engine(dtype="float32", max_total_tokens=4096, max_running_requests=8, tp_size=3)
+    engine = Engine(dtype="float32", quantization="none", max_total_tokens=4096, max_running_requests=8, tp_size=3)
     try:
         outs = engine.generate(prompts, {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
         for prompt, out in zip(prompts, outs):
