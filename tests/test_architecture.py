@@ -28,6 +28,7 @@ RANKS: dict[str, float] = {
     "runtime.layers": 2,
     "runtime.distributed": 7,  # the launcher starts ranks through engine_setup
     "runtime.distributed.parallel_state": 1.5,  # the collectives every layer calls
+    "runtime.distributed.shm_comm": 1.4,  # their shared-memory form, over the kernels
     "kernels": 1,
     "runtime.errors": 0,
     "runtime.sampling_params": 0,
