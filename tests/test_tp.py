@@ -172,3 +172,38 @@ def test_tp2_deterministic_inference_gives_a_prompt_its_bits_whatever_runs_besid
     assert after == fresh
     assert cached[1::2] == [len(p) + MAX_NEW - 1 for p in prompts]  # the prompt and the answer's KV
     assert_all_memory_free(engine)
+
+
+def test_tp2_fused_decode_stack_runs_the_all_reduces_itself_with_the_module_paths_bits(tmp_path: Path) -> None:
+    """At tp 2 with the collectives in shared memory, kernels/cpu/decode_stack.cpp takes a
+    decode step's layers in one call and all-reduces o_proj's and down_proj's partial sums
+    itself; over gloo (--disable-custom-all-reduce) the row-parallel modules do, one layer
+    at a time. Two ranks' sums are one addition either way, so tokens and logprobs are the
+    same bits. (A GGUF shaped for tp 2, random weights; one request at a time, so each
+    decode step is one row: the Q4 blocks on every rank whatever its measured crossover.)"""
+    from bench.random_gguf import write_random_gguf
+    from kernels.cpu import load_cpu_ops
+    from runtime import Engine
+
+    ops = load_cpu_ops()
+    if ops is None or not ops.q4_linear_isa():
+        pytest.skip("the fused decode stack runs q4q8 linears: the CPU kernels with AVX2 or AVX512-VNNI")
+    model = tmp_path / "tp2.gguf"
+    write_random_gguf(model, hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2)
+    prompts = [[1000 + 7 * i + j for j in range(5 + 3 * i)] for i in range(3)]
+    params = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    runs = []
+    for gloo in (False, True):
+        engine = Engine(
+            model_path=str(model), tp_size=2, enable_deterministic_inference=False, disable_custom_all_reduce=gloo,
+            max_total_tokens=2048, max_running_requests=4,
+        )  # fmt: skip
+        try:
+            stack = engine.worker.model.model.decode_stack
+            assert (stack is None) == gloo, "the stack runs at tp 2 exactly where the collectives are in shared memory"
+            outs = [engine.generate(p, params, return_logprob=True) for p in prompts]
+            runs.append([(o["output_ids"], [lp for lp, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs])
+            assert_all_memory_free(engine)
+        finally:
+            engine.shutdown()
+    assert runs[0] == runs[1]

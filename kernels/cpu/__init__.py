@@ -84,7 +84,7 @@ class CpuOps(Protocol):
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor: ...
 
     # `DecodeStack(per_layer, final_norm, cos_sin_cache, num_heads, num_kv_heads, head_dim, scale, eps,
-    # dense_min_rows)`:
+    # dense_min_rows, comm=None, comm_timeout_s=0.0)` (comm: a ShmComm, under tensor parallelism):
     # a class (runtime/models/cpu_path.py FusedDecodeStack builds and calls it)
     DecodeStack: Callable[..., object]
 

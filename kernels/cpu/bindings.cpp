@@ -15,10 +15,12 @@ using release_gil = py::call_guard<py::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeStack>(m, "DecodeStack")
+      // keep_alive: the stack holds `comm` (argument 10; 1 is the stack) as long as it lives
       .def(py::init<const std::vector<at::Tensor>&, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double,
-                    int64_t>(),
+                    int64_t, ShmComm*, double>(),
            py::arg("per_layer"), py::arg("final_norm"), py::arg("cos_sin_cache"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"), py::arg("dense_min_rows"))
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"), py::arg("dense_min_rows"),
+           py::arg("comm") = py::none(), py::arg("comm_timeout_s") = 0.0, py::keep_alive<1, 11>())
       .def("forward", &DecodeStack::forward, py::arg("h"), py::arg("positions"), py::arg("loc"), py::arg("kv_idx"),
            py::arg("lens"), py::arg("token_req") = py::none(), release_gil());
   m.def("paged_attention", &paged_attention, "paged attention, one query token at a time (CPU)", release_gil());

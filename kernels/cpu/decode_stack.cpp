@@ -10,14 +10,15 @@
 //   store_kv(k, v at loc); o = paged_decode(q, the pool, kv_idx, lens)
 //       (with token_req: paged_attention(q, the pool, kv_idx, token_req, lens), the
 //        per-query order of deterministic inference)
-//   h = linear(o, o_proj); x = add_rms_norm_(h, residual)
-//   h = linear(silu_mul(linear(x, gate_up)), down)
+//   h = linear(o, o_proj) [+ all-reduce]; x = add_rms_norm_(h, residual)
+//   h = linear(silu_mul(linear(x, gate_up)), down) [+ all-reduce]
 //   final: add_rms_norm_(h, residual, final norm)
 //
 // where linear is q4_linear on the layer's Q4 blocks, or f32_linear on its panels (or records)
 // from dense_min_rows rows on (where the layers keep panels: q4q8.dense_min_rows),
 //
-// so its output has the same bits as the module path's. What it saves is the Python
+// (the all-reduces only under tensor parallelism: the ranks' ShmComm, the collective the
+// row-parallel modules call there), so its output has the same bits as the module path's. What it saves is the Python
 // between the kernels: ~12 module calls and ~20 tensor views per layer, ~2 ms of a
 // single stream's 7 ms step on SmolLM2's 30 layers.
 #include <utility>
@@ -27,9 +28,10 @@
 
 DecodeStack::DecodeStack(const std::vector<at::Tensor>& per_layer, at::Tensor final_norm, at::Tensor cos_sin_cache,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
-                         int64_t dense_min_rows)
+                         int64_t dense_min_rows, ShmComm* comm, double comm_timeout_s)
     : final_norm_(std::move(final_norm)), cos_sin_cache_(std::move(cos_sin_cache)), heads_(num_heads),
-      kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps), dense_min_rows_(dense_min_rows) {
+      kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps), dense_min_rows_(dense_min_rows),
+      comm_(comm), comm_timeout_s_(comm_timeout_s) {
   TORCH_CHECK(per_layer.size() % 12 == 0, "12 tensors per layer");
   for (size_t i = 0; i < per_layer.size(); i += 12) {
     const auto* t = per_layer.data() + i;
@@ -65,8 +67,10 @@ at::Tensor DecodeStack::forward(at::Tensor h, at::Tensor positions, at::Tensor l
                        ? paged_attention(q, layer.k_buf, layer.v_buf, kv_idx, *token_req, lens, scale_)
                        : paged_decode(q, layer.k_buf, layer.v_buf, kv_idx, lens, scale_);
     h = linear(o.view({n, q_size}), layer.o);
+    if (comm_ != nullptr) comm_->all_reduce_(h, comm_timeout_s_);
     x = add_rms_norm_(h, residual, layer.post_norm, eps_);
     h = linear(silu_mul(linear(x, layer.gate_up)), layer.down);
+    if (comm_ != nullptr) comm_->all_reduce_(h, comm_timeout_s_);
   }
   if (!residual.defined()) return rms_norm(h, final_norm_, eps_);
   return add_rms_norm_(h, residual, final_norm_, eps_);

@@ -29,41 +29,6 @@ const std::vector<std::string>& bf16_linear_isas();
 at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, const std::string& isa);
 at::Tensor bf16_linear_silu_mul(at::Tensor x, at::Tensor packed, const std::string& isa);
 
-// A decode batch's whole decoder stack in one call (decode_stack.cpp).
-class DecodeStack {
- public:
-  // Per layer, in order: input norm, post-attention norm (weights), qkv, o, gate_up, down
-  // (pack_q4 records), their panels (empty tensors where none), K and V buffers of the KV
-  // pool. Batches of dense_min_rows rows or more take the panels.
-  DecodeStack(const std::vector<at::Tensor>& per_layer, at::Tensor final_norm, at::Tensor cos_sin_cache,
-              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
-              int64_t dense_min_rows);
-
-  // h: the embeddings [n, hidden] (float32; its storage becomes the residual stream);
-  // one new token per request at `positions`, KV written at `loc`; kv_idx / lens as
-  // paged_decode takes them, or with token_req as paged_attention does. Returns the final
-  // norm's output [n, hidden].
-  at::Tensor forward(at::Tensor h, at::Tensor positions, at::Tensor loc, at::Tensor kv_idx, at::Tensor lens,
-                     std::optional<at::Tensor> token_req) const;
-
- private:
-  struct Linear {
-    at::Tensor blocks, panels;  // pack_q4 records; what f32_linear takes, or an empty tensor
-  };
-  struct Layer {
-    at::Tensor input_norm, post_norm;
-    Linear qkv, o, gate_up, down;
-    at::Tensor k_buf, v_buf;
-  };
-  at::Tensor linear(const at::Tensor& x, const Linear& w) const;
-
-  std::vector<Layer> layers_;
-  at::Tensor final_norm_, cos_sin_cache_;
-  int64_t heads_, kv_heads_, head_dim_;
-  double scale_, eps_;
-  int64_t dense_min_rows_;
-};
-
 // The tensor-parallel collectives of the ranks on one machine, through a shared memory
 // segment (shm_comm.cpp; runtime/distributed/shm_comm.py maps it). Every rank calls the
 // same ops in the same order; each raises after timeout_s (<= 0: never) or when a peer's
@@ -95,4 +60,43 @@ class ShmComm {
   uint8_t* data_ = nullptr;
   uint64_t op_ = 0;
   std::mutex mu_;  // one op at a time per process: op_ and the slots are this rank's
+};
+
+// A decode batch's whole decoder stack in one call (decode_stack.cpp).
+class DecodeStack {
+ public:
+  // Per layer, in order: input norm, post-attention norm (weights), qkv, o, gate_up, down
+  // (pack_q4 records), their panels (empty tensors where none), K and V buffers of the KV
+  // pool. Batches of dense_min_rows rows or more take the panels. Under tensor parallelism
+  // (this rank's shards and heads), `comm` sums o_proj's and down_proj's partial outputs
+  // over the ranks, as the row-parallel modules' all-reduce does; nullptr at tp_size 1.
+  DecodeStack(const std::vector<at::Tensor>& per_layer, at::Tensor final_norm, at::Tensor cos_sin_cache,
+              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
+              int64_t dense_min_rows, ShmComm* comm, double comm_timeout_s);
+
+  // h: the embeddings [n, hidden] (float32; its storage becomes the residual stream);
+  // one new token per request at `positions`, KV written at `loc`; kv_idx / lens as
+  // paged_decode takes them, or with token_req as paged_attention does. Returns the final
+  // norm's output [n, hidden].
+  at::Tensor forward(at::Tensor h, at::Tensor positions, at::Tensor loc, at::Tensor kv_idx, at::Tensor lens,
+                     std::optional<at::Tensor> token_req) const;
+
+ private:
+  struct Linear {
+    at::Tensor blocks, panels;  // pack_q4 records; what f32_linear takes, or an empty tensor
+  };
+  struct Layer {
+    at::Tensor input_norm, post_norm;
+    Linear qkv, o, gate_up, down;
+    at::Tensor k_buf, v_buf;
+  };
+  at::Tensor linear(const at::Tensor& x, const Linear& w) const;
+
+  std::vector<Layer> layers_;
+  at::Tensor final_norm_, cos_sin_cache_;
+  int64_t heads_, kv_heads_, head_dim_;
+  double scale_, eps_;
+  int64_t dense_min_rows_;
+  ShmComm* comm_;  // kept alive by the Python binding (keep_alive)
+  double comm_timeout_s_;
 };

@@ -91,6 +91,12 @@ def get_tp_size() -> int:
     return _TP.size
 
 
+def shm_group() -> ShmGroup | None:
+    """The ranks' shared-memory collectives, where they run (kernels that call the
+    all-reduce themselves take it: kernels/cpu/decode_stack.cpp)."""
+    return _SHM
+
+
 def get_tp_device() -> torch.device:
     """Where this rank's collectives run (NCCL needs CUDA tensors; gloo takes CPU ones)."""
     return _TP.device

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from kernels.attention.base import AttentionBatch
+from runtime.distributed.parallel_state import shm_group
 from runtime.layers.activation import SiluAndMulMLP
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import F32PanelsLinearMethod, LinearBase, UnquantizedLinearMethod
@@ -159,7 +160,9 @@ class FusedDecodeStack:
     """`LlamaModel`'s decoder layers for an all-decode batch as one `ops.DecodeStack` call.
 
     Only where that call is exactly the module path (`fits`): every linear q4q8 without
-    bias, no q/k norm, one rank, float32 activations; and per batch only while the layers'
+    bias, no q/k norm, float32 activations, one rank or ranks whose collectives run in
+    shared memory (the stack calls that all-reduce after o_proj and down_proj, as the
+    row-parallel modules do); and per batch only while the layers'
     dense copies would not take it (fewer than `dense_min_rows` rows; the stack runs the
     f32_linear panels itself, so with those it takes every size) and the attention
     backend runs one CPU kernel for every token (`decode_attention_plan`: paged_decode, or
@@ -179,7 +182,7 @@ class FusedDecodeStack:
         for layer in _layers(model):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if attn.q_norm is not None or attn.ops is None or attn.qkv_proj.tp_size != 1:
+            if attn.q_norm is not None or attn.ops is None or (attn.qkv_proj.tp_size > 1 and shm_group() is None):
                 return False
             if any(not isinstance(m.quant_method, Q4Q8LinearMethod) or m.bias is not None for m in linears):
                 return False
@@ -211,10 +214,11 @@ class FusedDecodeStack:
         # the module path's linears do there: no panels at any size.
         qkv = attn.qkv_proj
         min_rows = sys.maxsize if qkv.batch_invariant or _panels(qkv) is None else dense_min_rows(qkv)
+        group = shm_group() if qkv.tp_size > 1 else None
         return cast(_Stack, self.ops.DecodeStack(
             per_layer, self.model.norm.weight, self.model.rotary_emb.cos_sin_cache,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scaling, first.input_layernorm.eps,
-            min_rows,
+            min_rows, None if group is None else group.comm, 0.0 if group is None else group.timeout_s,
         ))  # fmt: skip
 
 
