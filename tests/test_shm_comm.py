@@ -154,3 +154,28 @@ def test_disable_custom_all_reduce_keeps_gloo(tmp_path: Path) -> None:
     join_ranks(procs)
     assert [p.exitcode for p in procs] == [0, 0], _errors(tmp_path)
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["None [3.0, 3.0, 3.0]"] * 2
+
+
+def _late_command(rank: int, init_method: str, workdir: str) -> None:
+    try:
+        init_tensor_parallel(rank, 2, init_method, torch.device("cpu"), timeout_s=1)
+        x = torch.full((6,), 7 if rank == 0 else 0, dtype=torch.int64)
+        if rank == 0:
+            time.sleep(4)  # idle, or still starting: four of the group's timeouts
+        got = broadcast_from_rank0(x, wait_forever=True)
+        (Path(workdir) / f"rank{rank}.txt").write_text(str(got.tolist()))
+        destroy_tensor_parallel()
+    except BaseException:
+        (Path(workdir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def test_a_worker_waits_for_rank_0s_next_command_past_the_timeout(tmp_path: Path) -> None:
+    """A worker rank's wait for the next command (tp_channel.receive) has no bound: rank 0
+    may be idle, or still starting up after the worker is ready; its death still ends it."""
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    procs = [spawn_rank(_late_command, r, init_method, str(tmp_path)) for r in range(2)]
+    join_ranks(procs)
+    assert [p.exitcode for p in procs] == [0, 0], _errors(tmp_path)
+    assert (tmp_path / "rank1.txt").read_text() == str([7] * 6)
+

@@ -130,10 +130,14 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     return torch.cat(parts, dim=dim)
 
 
-def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
-    """Rank 0's `x` on every rank (in place; same shape and dtype on all ranks)."""
+def broadcast_from_rank0(x: torch.Tensor, wait_forever: bool = False) -> torch.Tensor:
+    """Rank 0's `x` on every rank (in place; same shape and dtype on all ranks).
+
+    `wait_forever`: a worker rank waiting for rank 0's next command, which may come
+    after any idle time. In shared memory the wait has no bound (rank 0's death still
+    fails it); gloo's keeps the group's timeout, which rank 0's idle heartbeats reset."""
     if _TP.size > 1 and _SHM is not None and _SHM.serves(x):
-        _SHM.broadcast_(x, 0)
+        _SHM.broadcast_(x, 0, forever=wait_forever)
     elif _TP.size > 1:
         dist.broadcast(x, src=0)
     return x

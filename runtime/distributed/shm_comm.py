@@ -70,8 +70,9 @@ class ShmGroup:
         """[world, *x.shape]: rank r's x at [r]."""
         return self.comm.all_gather(x.contiguous(), self.timeout_s)
 
-    def broadcast_(self, x: torch.Tensor, root: int) -> None:
-        self.comm.broadcast_(x, root, self.timeout_s)
+    def broadcast_(self, x: torch.Tensor, root: int, forever: bool = False) -> None:
+        """`forever`: no timeout (a dead peer still fails it)."""
+        self.comm.broadcast_(x, root, 0.0 if forever else self.timeout_s)
 
 
 def start_time(pid: int) -> int:
@@ -104,7 +105,8 @@ def open_shm_group(store: dist.Store, rank: int, size: int, timeout_s: float) ->
     everyone = [torch.empty_like(me) for _ in range(size)]
     dist.all_gather(everyone, me)
     peers = [(int(p), int(t)) for _, p, t in (e.tolist() for e in everyone)]
-    visible = all(start_time(pid) == started for pid, started in peers)  # same pid namespace
+    # Every rank's process in this /proc (the same pid namespace): how a wait tells a dead peer.
+    visible = all(started >= 0 and start_time(pid) == started for pid, started in peers)
     agree = torch.tensor([int(segment is not None and visible)], dtype=torch.int64)
     dist.all_reduce(agree, op=dist.ReduceOp.MIN)  # every rank has mapped it or given up
     if rank == 0 and path:

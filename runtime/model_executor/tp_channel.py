@@ -206,7 +206,8 @@ def heartbeat_reply() -> None:
 def receive() -> ForwardInputs | SideMessage | Command:
     """A non-zero rank's end: the next forward's inputs, a side message, or a command."""
     device = get_tp_device()
-    header = broadcast_from_rank0(torch.empty(HEADER_LEN, dtype=torch.int64, device=device)).cpu()
+    # (between two commands rank 0 may be idle, or still starting: no bound on this wait)
+    header = broadcast_from_rank0(torch.empty(HEADER_LEN, dtype=torch.int64, device=device), wait_forever=True).cpu()
     command = Command(int(header[0]))
     if command not in (Command.FORWARD, Command.SIDE):
         return command
