@@ -222,6 +222,8 @@ SLOW_TESTS = frozenset(
         "tests/test_cpu_kernel_cache.py::test_the_kernels_load_with_sluices_own_ninja_whatever_is_first_on_path",
         "tests/test_cpu_default_mode.py",  # quantization=auto on the real GGUF
         "tests/test_pd_tp.py",  # prefill and decode servers at --tp-size 2
+        "tests/test_shm_comm.py",  # spawns TP ranks, 2 or 3 per test (test_tp_rendezvous.py keeps the fast check)
+        "tests/test_tp.py::test_tp2_fused_decode_stack_runs_the_all_reduces_itself_with_the_module_paths_bits",  # 2 engines at tp 2
     }
 )
 
@@ -244,6 +246,7 @@ LONGEST_FIRST = (
     "test_tp_server.py",  # 61
     "test_structured_output.py",  # 57
     "test_tp.py",  # 52
+    "test_shm_comm.py",  # ~50 (2026-11-28, 16:00 UTC)
     "test_prefix_sharing.py",  # 51
     "test_prompt_logprobs.py",  # 47
     "test_pd_tp.py",  # 46
