@@ -24,7 +24,6 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 import pytest
-import torch.multiprocessing as mp
 
 from app.factory import create_app
 from app.state import AppState, Phase
@@ -48,25 +47,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def spawn_rank(target: Callable[..., None], *args: object) -> mp.Process:
-    """`target(*args)` in a fresh interpreter (spawn: no state of this process's torch)."""
-    proc = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
-    proc.start()
-    return proc
-
-
-def join_ranks(procs: list[mp.Process], timeout_s: float = 120) -> None:
-    """Wait up to `timeout_s` for each; kill whatever is still alive."""
-    try:
-        for p in procs:
-            p.join(timeout_s)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
 
 
 def poll_until(check: Callable[[], T | None], timeout: float = 30.0, interval: float = 0.05, what: str = "") -> T:

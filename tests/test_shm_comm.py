@@ -23,7 +23,8 @@ from runtime.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from runtime.distributed.shm_comm import SHM_DIR, SLOT_BYTES
-from tests.server_helpers import free_port, join_ranks, spawn_rank
+from tests.rank_helpers import join_ranks, spawn_rank
+from tests.server_helpers import free_port
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="the shared-memory collectives are a CPU kernel")
 

@@ -18,7 +18,8 @@ from runtime.distributed.parallel_state import (
     init_tensor_parallel,
     tensor_model_parallel_all_reduce,
 )
-from tests.server_helpers import free_port, join_ranks, spawn_rank
+from tests.rank_helpers import join_ranks, spawn_rank
+from tests.server_helpers import free_port
 
 TIMEOUT_S = 1.0  # a collective's bound
 LATE_S = 4 * TIMEOUT_S  # how late rank 1 joins

@@ -91,7 +91,6 @@ def open_shm_group(store: dist.Store, rank: int, size: int, timeout_s: float) ->
 
     ops = load_cpu_ops()
     nbytes = 0 if ops is None else ops.ShmComm.segment_bytes(size, SLOT_BYTES)
-    path = ""
     if rank == 0:
         path = _create_segment(nbytes) if ops is not None else ""
         store.set(STORE_KEY, path)
