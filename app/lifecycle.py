@@ -85,7 +85,10 @@ async def start_engine(state: AppState, factory: EngineFactory) -> None:
         # says where its assistant messages are, to reuse it (runtime/token_roles.py).
         state.attach(engine, TokenizerService(engine.tokenizer, mark_answers=engine.settings.enable_deterministic_inference))
         await _warm_up(state)
-        if state.bound is not None:
+        if state.bound is not None:  # a serving process (not an app in a test's process): one engine for its life
+            from runtime.engine_setup import freeze_startup_heap
+
+            freeze_startup_heap("server")
             await _wait_listening(state.bound)
         if state.phase is Phase.STARTING:
             state.phase = Phase.READY

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,6 +108,9 @@ def test_killing_a_worker_rank_fails_requests_and_exits_non_zero(checkpoint: Pat
     servers.append(server)
     server.wait_ready()
     assert server.proc is not None
+    # Both processes froze their start-up heap, so a full GC collection mid-serving does not walk it.
+    frozen = re.findall(r"startup heap frozen .*objects=(\d+) where=(\S+)", server.log_path.read_text(errors="replace"))
+    assert sorted(where for _, where in frozen) == ["server", "tp-rank-1"] and all(int(n) > 10_000 for n, _ in frozen), frozen
     (worker,) = _worker_ranks(server.proc.pid)
 
     body = {"input_ids": [1, 2, 3, 4], "stream": True, "sampling_params": {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}}

@@ -65,6 +65,7 @@ def worker_main(rank: int, settings: EngineSettings, method: str) -> None:
     try:
         shard = engine_setup.build_shard(settings, rank, method)
         runner = shard.runner
+        engine_setup.freeze_startup_heap(f"tp-rank-{rank}")
         log.info("tensor-parallel worker ready", rank=rank, pid=os.getpid())
         while True:
             item = receive()
