@@ -127,7 +127,27 @@ inline V16 tree16(const Quad* z) {
 #endif
 
 constexpr int64_t kSpanVecs = 16;  // G * D / 16 sums in registers (SmolLM2: 3 * 4)
-constexpr int64_t kSpanAhead = 8;  // positions ahead whose K / V rows are prefetched
+// Positions ahead whose K / V rows are prefetched into L1; pass 1 fetches V's too, so pass 2
+// reads them from cache. (With 8 and K only, SmolLM2's 30 layers of a 16 x 192 decode laid out
+// as serving lays it out took 5.3 ms; with 24, V in pass 1 and the next item's rows below, 4.2-4.7
+// on a Zen 4, against 1.8 with every row in L3: bench/RESULTS.md item 36.)
+constexpr int64_t kSpanAhead = 24;
+
+// K and V rows of positions [t0, t1) of a sequence (slots idx), `bytes` of each from channel
+// `off`, into L2: the next work item's, fetched while this one computes, so that its first
+// positions do not wait on memory (a decode item reads a few hundred scattered rows).
+template <typename KT>
+inline void prefetch_span_l2(const KT* kp, const KT* vp, const int64_t* idx, int64_t t0, int64_t t1, int64_t row,
+                             int64_t off, int64_t bytes) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const char* k = reinterpret_cast<const char*>(kp + idx[t] * row + off);
+    const char* v = reinterpret_cast<const char*>(vp + idx[t] * row + off);
+    for (int64_t l = 0; l < bytes; l += 64) {
+      _mm_prefetch(k + l, _MM_HINT_T1);
+      _mm_prefetch(v + l, _MM_HINT_T1);
+    }
+  }
+}
 
 // out = the dv vectors at `off` of the row of slot idx[t], widened; prefetches the row
 // kSpanAhead positions on (a sequence's slots are anywhere in the pool).
@@ -161,6 +181,7 @@ void attend_span(const float* qf, const KT* kp, const KT* vp, const int64_t* idx
     V16 kv[kSpanVecs];
     if (t < len) {
       load_row(kp, idx + t0, t, len, row, h * D, dv, kv);
+      if (t + kSpanAhead < len) prefetch_row(vp + idx[t0 + t + kSpanAhead] * row + h * D, dv * 16 * sizeof(KT));
     } else {
       for (int64_t j = 0; j < dv; ++j) kv[j] = v16_zero();
     }

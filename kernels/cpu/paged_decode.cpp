@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -119,9 +120,17 @@ void decode_spans(const Decode<T, KT>& a) {
   std::vector<float> parts(n * Hkv * spans * stride);
   sluice::parallel_for(n * Hkv * spans, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), scores;
+    // Item w: sequence i, kv head h, positions [t0, t1) of its len.
+    auto item = [&](int64_t w) {
+      const int64_t i = w / (Hkv * spans), h = (w / spans) % Hkv, s = w % spans, len = lp[i];
+      return std::array<int64_t, 4>{i, h, len * s / spans, len * (s + 1) / spans};
+    };
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t i = w / (Hkv * spans), h = (w / spans) % Hkv, s = w % spans;
-      const int64_t len = lp[i], t0 = len * s / spans, t1 = len * (s + 1) / spans;
+      const auto [i, h, t0, t1] = item(w);
+      if (w + 1 < end) {  // the next item's rows
+        const auto [ni, nh, n0, n1] = item(w + 1);
+        sluice::prefetch_span_l2(kp, vp, ip + ni * max_len, n0, n1, row, nh * D, D * static_cast<int64_t>(sizeof(KT)));
+      }
       float* part = parts.data() + w * stride;
       if (t0 == t1) {  // an empty span: adds nothing to the merge
         for (int64_t g = 0; g < G; ++g) part[g * (D + 2)] = -std::numeric_limits<float>::infinity();
