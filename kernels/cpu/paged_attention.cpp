@@ -218,11 +218,13 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
       if constexpr (!std::is_same_v<KT, double>) {
         if (nq == 1 && shared_at[w] < 0 && G * (D / 16) <= sluice::kSpanVecs) {
           const auto attend = sluice::pick_attend_span<KT>(G, D);
-          if (item + 1 < end) {  // the next item's rows, if it is a decode too
-            const int64_t nw = order((item + 1) / (Hkv / hn)), nfirst = starts[nw];
+          // The next item's rows (a decode's too) into L2, and at a thread's first item its own:
+          // all of them asked for at once rather than 24 positions ahead.
+          for (int64_t next = item == begin ? item : item + 1; next <= item + 1 && next < end; ++next) {
+            const int64_t nw = order(next / (Hkv / hn)), nfirst = starts[nw];
             if (starts[nw + 1] - nfirst == 1)
               sluice::prefetch_span_l2(kp, vp, ip + rp[nfirst] * max_len, 0, lp[nfirst], row,
-                                       (item + 1) % (Hkv / hn) * hn * D, hn * D * static_cast<int64_t>(sizeof(KT)));
+                                       next % (Hkv / hn) * hn * D, hn * D * static_cast<int64_t>(sizeof(KT)));
           }
           for (int64_t h = 0; h < hn; ++h) {
             attend(qf.data() + h * G * D, kp, vp, idx, 0, span, row, h0 + h, G, D, scores, part.data());

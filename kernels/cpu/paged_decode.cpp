@@ -127,8 +127,8 @@ void decode_spans(const Decode<T, KT>& a) {
     };
     for (int64_t w = begin; w < end; ++w) {
       const auto [i, h, t0, t1] = item(w);
-      if (w + 1 < end) {  // the next item's rows
-        const auto [ni, nh, n0, n1] = item(w + 1);
+      for (int64_t next = w == begin ? w : w + 1; next <= w + 1 && next < end; ++next) {  // as paged_attention's
+        const auto [ni, nh, n0, n1] = item(next);
         sluice::prefetch_span_l2(kp, vp, ip + ni * max_len, n0, n1, row, nh * D, D * static_cast<int64_t>(sizeof(KT)));
       }
       float* part = parts.data() + w * stride;
