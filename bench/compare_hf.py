@@ -1,6 +1,6 @@
 """HF transformers `generate` on exactly the requests sluice ran, at its best honest setting.
 
-Setting: the same weights and dtype as sluice (`--hf-dtype` to try another),
+Setting: the same weights, dtype and device as sluice (`--hf-dtype` to try another dtype),
 batches of `--hf-batch-size` (32) with left padding and an attention mask,
 greedy (`do_sample=False`), each batch generating its longest requested output
 (`max_new_tokens = min_new_tokens = max(out_lens)`, so EOS cannot end it early).
@@ -31,17 +31,21 @@ def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_hf_model(model_dir: str | Path, dtype: torch.dtype, real_weights: bool) -> Any:
+def load_hf_model(model_dir: str | Path, dtype: torch.dtype, real_weights: bool, device: str = "cpu") -> Any:
     """The checkpoint's weights, or (dummy-weight runs, checkpoints without weights)
-    a randomly initialised model of the same shape: speed does not depend on values."""
+    a randomly initialised model of the same shape: speed does not depend on values.
+    Built on `device` (the engine's), so a GPU run is not compared with HF on the host."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     has_weights = any(Path(model_dir).glob("*.safetensors"))
     if real_weights and has_weights:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device)
     else:
+        import torch
+
         config = AutoConfig.from_pretrained(str(model_dir))
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
 
 
@@ -65,8 +69,8 @@ def _generate_batch(model: Any, prompts: list[list[int]], new_tokens: int, pad_i
         mask[row, width - len(p) :] = 1
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
+            input_ids=ids.to(model.device),
+            attention_mask=mask.to(model.device),
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
@@ -75,7 +79,7 @@ def _generate_batch(model: Any, prompts: list[list[int]], new_tokens: int, pad_i
             top_k=None,
             pad_token_id=pad_id,
         )
-    return out[:, width:]
+    return out[:, width:].cpu()  # on a GPU, the copy waits for the batch: timing stays honest
 
 
 def run_hf(
@@ -86,12 +90,13 @@ def run_hf(
     batch_size: int = 32,
     sort: str = "output",
     real_weights: bool = True,
+    device: str = "cpu",
     pad_token_id: int | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Time HF generate over `requests`; returns throughput and each request's output ids."""
     t_load = time.perf_counter()
-    model = load_hf_model(model_dir, dtype, real_weights)
+    model = load_hf_model(model_dir, dtype, real_weights, device)
     load_s = time.perf_counter() - t_load
     cfg = model.config
     pad = pad_token_id if pad_token_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else 0)
@@ -124,6 +129,7 @@ def run_hf(
         "duration_s": duration,
         "load_s": load_s,
         "dtype": str(dtype).removeprefix("torch."),
+        "device": device,
         "batch_size": batch_size,
         "sort": sort,
         "total_input_tokens": total_in,

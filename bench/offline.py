@@ -26,6 +26,7 @@ from bench.engine_runs import (
     warm_up,
 )
 from bench.metrics import WIDTH, RequestResult, append_jsonl, compute_metrics, format_report, machine_info, row, rule, throughput_rows
+from runtime.model_executor.resolve import resolve_device
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +86,7 @@ def _run_variant(name: str, settings: Any, args: argparse.Namespace, state: dict
             state["model_dir"] = engine.model_dir
             state["dtype"] = engine.model_config.dtype
             state["real_weights"] = settings.load_format != "dummy"
+            state["device"] = resolve_device(engine.settings.device)
         requests: list[BenchRequest] = state["requests"]
         warm_up(engine, warmup_requests(engine.tokenizer, args.warmup_requests, requests, args.seed))
         dtype = str(engine.model_config.dtype).removeprefix("torch.")
@@ -127,10 +129,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         dtype = state["dtype"] if args.hf_dtype == "same" else torch_dtype(args.hf_dtype)
         hf = run_hf(
             state["model_dir"], state["requests"], dtype, batch_size=args.hf_batch_size, sort=args.hf_sort,
-            real_weights=state["real_weights"], progress=not args.disable_tqdm,
+            real_weights=state["real_weights"], device=state["device"], progress=not args.disable_tqdm,
         )
         hf_outputs = hf.pop("outputs")
-        backend = f"HF transformers generate ({hf['dtype']}, batch {hf['batch_size']}, left pad, sort={hf['sort']})"
+        backend = f"HF transformers generate ({hf['dtype']}, {hf['device']}, batch {hf['batch_size']}, left pad, sort={hf['sort']})"
         hf_m = {**hf, "completed": len(state["requests"]), "failed": 0}
         print(format_offline(hf_m, backend, " HF transformers Result "))
         hf_record = {"tool": "hf", "variant": backend, **hf_m}
