@@ -117,7 +117,10 @@ def compile_decode(model: Any, fb: Any, mode: str) -> tuple[Callable[[Any], Any]
         return norm(inner.norm, residual)
 
     step = torch.compile(forward, dynamic=True, mode=None if mode == "default" else mode)
-    plan = fb.attn_backend._decode  # the backend's decode plan for this batch
+    # The backend's decode plan for this batch (kv_idx and lens; under deterministic
+    # inference, its per-query plan: a decode's token t is request t's one).
+    plan = fb.attn_backend.decode_attention_plan()
+    assert plan is not None, "the compiled variant needs the CPU kernels' decode plan"
 
     def run(fb_: Any) -> Any:  # the LM head outside the graph, as in the other variants
         return model.compute_logits(step(fb_.input_ids, fb_.positions, fb_.out_cache_loc, plan.kv_idx, plan.lens))
