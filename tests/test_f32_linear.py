@@ -140,6 +140,37 @@ def test_unquantized_float32_linears_move_onto_the_panels_where_the_kernel_has_a
     assert ((y - bias).double() - x.double() @ weight.double().T).abs().le(float32_sums_bound(x.reshape(14, 576), weight).view(2, 7, 192)).all()
 
 
+def test_without_the_panels_float32_linears_take_onednns_packed_copy(cpu_ops: CpuOps) -> None:
+    """runtime.models.cpu_path.use_onednn_packed (AVX-512 CPUs, where f32_linear is not
+    built): every float32 linear's weight becomes oneDNN's packed copy, which gives the
+    weight back exactly and computes x @ W.T + bias with float32 sums; other dtypes stay."""
+    from runtime.layers.linear import ColumnParallelLinear, OneDnnPackedLinearMethod
+    from runtime.layers.quantization import linear_form
+    from runtime.models.cpu_path import use_onednn_packed
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch was built without oneDNN")
+    torch.manual_seed(5)
+    model = torch.nn.Module()
+    model.a = ColumnParallelLinear(576, 200, bias=True)  # any row count: oneDNN needs no panels
+    model.bf16 = ColumnParallelLinear(64, 32)
+    for layer in (model.a, model.bf16):
+        torch.nn.init.normal_(layer.weight, std=0.05)
+    model.bf16.weight.data = model.bf16.weight.data.bfloat16()
+    torch.nn.init.normal_(model.a.bias)
+    weight, bias = model.a.weight.detach().clone(), model.a.bias.detach().clone()
+    assert use_onednn_packed(model) == 1
+    assert linear_form(model.a) == "float-onednn" and not hasattr(model.a, "weight") and linear_form(model.bf16) == "float"
+    method = model.a.quant_method
+    assert isinstance(method, OneDnnPackedLinearMethod) and torch.equal(method.dequantize(model.a), weight)
+    x = torch.randn(2, 7, 576)
+    with torch.no_grad():
+        y = model.a(x)
+    assert y.shape == (2, 7, 200)
+    err = ((y - bias).double() - x.double() @ weight.double().T).abs()
+    assert err.le(float32_sums_bound(x.reshape(14, 576), weight).view(2, 7, 200)).all()
+
+
 def test_a_float32_model_bound_to_the_kernels_runs_its_linears_and_head_on_panels_and_equals_hf(
     cpu_ops: CpuOps, tokenizer: Any, tmp_path: Path
 ) -> None:
@@ -162,7 +193,8 @@ def test_a_float32_model_bound_to_the_kernels_runs_its_linears_and_head_on_panel
     head = model.logits_processor
     on_panels = bool(cpu_ops.f32_linear_isa())
     assert ("lm_head_panels" in bound) == on_panels == (head.panels is not None)
-    assert {linear_form(m) for m in model.modules() if isinstance(m, LinearBase)} == {"float-panels" if on_panels else "float"}
+    off_panels = "float-onednn" if torch.backends.mkldnn.is_available() else "float"
+    assert {linear_form(m) for m in model.modules() if isinstance(m, LinearBase)} == {"float-panels" if on_panels else off_panels}
     hidden = torch.randn(5, 64)
     with torch.no_grad():
         logits = head(hidden, model.lm_head)

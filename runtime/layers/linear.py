@@ -99,6 +99,28 @@ class F32PanelsLinearMethod(UnquantizedLinearMethod):
         return panels.transpose(1, 2).reshape(-1, panels.shape[1])
 
 
+class OneDnnPackedLinearMethod(UnquantizedLinearMethod):
+    """A float32 weight in oneDNN's blocked layout for `DENSE_PACK_ROWS`-row batches
+    (`layer.onednn_packed`; runtime.models.cpu_path.use_onednn_packed puts it there where
+    f32_linear's panels are not built: AVX-512 CPUs, whose oneDNN has the 512-bit form).
+    F.linear on the plain weight goes through another GEMM (MKL's sgemm): SmolLM2's four
+    linear shapes of a layer on a Zen 4 took 0.31-0.44 / 1.10-1.40 / 13.3-13.9 ms at 1 / 16 /
+    256 rows that way, 0.21-0.31 / 0.67-0.68 / 9.5-10.4 packed, the same as the panels
+    (bench/RESULTS.md item 37). oneDNN picks its kernel by M: not row-invariant."""
+
+    row_invariant: ClassVar[bool] = False
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), layer.onednn_packed, bias, "none", [], "")
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def dequantize(self, layer: LinearBase) -> torch.Tensor:
+        """The float32 weight `[out, in]`, exactly: the layer applied to the identity (each
+        output one product by 1.0 plus zeros)."""
+        eye = torch.eye(layer.input_size_per_partition)
+        return torch.ops.mkldnn._linear_pointwise(eye, layer.onednn_packed, None, "none", [], "").T.contiguous()
+
+
 class F32Kernels(Protocol):  # kernels/cpu's CpuOps, the part F32PanelsLinearMethod calls
     def f32_linear(self, x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor: ...
 

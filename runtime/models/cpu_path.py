@@ -29,11 +29,17 @@ from kernels.attention.base import AttentionBatch
 from runtime.distributed.parallel_state import shm_group
 from runtime.layers.activation import SiluAndMulMLP
 from runtime.layers.layernorm import RMSNorm
-from runtime.layers.linear import F32PanelsLinearMethod, LinearBase, UnquantizedLinearMethod
+from runtime.layers.linear import (
+    F32PanelsLinearMethod,
+    LinearBase,
+    LinearMethod,
+    OneDnnPackedLinearMethod,
+    UnquantizedLinearMethod,
+)
 from runtime.layers.logits_processor import LogitsProcessor
 from runtime.layers.quantization import linear_layers
 from runtime.layers.quantization.gguf import DENSE_FLOAT32_MAX_BYTES
-from runtime.layers.quantization.int4 import pack_f32_panels
+from runtime.layers.quantization.int4 import DENSE_PACK_ROWS, pack_f32_panels
 from runtime.layers.quantization.q4q8 import Q4Q8LinearMethod, crossover_for, dense_min_rows, time_crossover
 from runtime.layers.quantization.q8 import pack_q8_exact, pack_q8_vnni
 from runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
@@ -53,6 +59,8 @@ def bind_cpu_ops(model: nn.Module, ops: CpuOps) -> dict[str, int]:
             bound[type(module).__name__] = bound.get(type(module).__name__, 0) + 1
     if panels := use_f32_panels(model, ops):
         bound["f32_panels_linear"] = panels
+    elif packed := use_onednn_packed(model):
+        bound["onednn_packed_linear"] = packed
     if isinstance(model, LlamaForCausalLM):
         processor: LogitsProcessor = model.logits_processor
         weight = model.lm_head.weight.data
@@ -81,24 +89,42 @@ def bind_cpu_ops(model: nn.Module, ops: CpuOps) -> dict[str, int]:
     return bound
 
 
-def use_f32_panels(model: nn.Module, ops: CpuOps) -> int:
-    """Move every unquantized float32 linear onto f32_linear's panels where the kernels have
-    its AVX2 form (not where oneDNN has AVX-512, which keeps F.linear); the plain weight
-    goes (the panels hold it exactly: F32PanelsLinearMethod.dequantize). Returns how many."""
-    if not ops.f32_linear_isa():
-        return 0
+def _repack_float32_linears(
+    model: nn.Module, name: str, pack: Callable[[torch.Tensor], torch.Tensor], method: LinearMethod, rows_of: int = 1
+) -> int:
+    """Every unquantized float32 CPU linear whose output rows are a multiple of `rows_of`:
+    its weight becomes buffer `name` = pack(weight) and its method `method`; the plain
+    weight goes (each method gives it back exactly: dequantize). Returns how many."""
     moved = 0
     for layer in linear_layers(model):
         weight = getattr(layer, "weight", None)
         if type(layer.quant_method) is not UnquantizedLinearMethod or weight is None:
             continue
-        if weight.dtype != torch.float32 or not weight.is_cpu or weight.shape[0] % 16:
+        if weight.dtype != torch.float32 or not weight.is_cpu or weight.shape[0] % rows_of:
             continue
-        layer.register_buffer("f32_panels", pack_f32_panels(weight.data), persistent=False)
+        layer.register_buffer(name, pack(weight.data), persistent=False)
         del layer.weight
-        layer.quant_method = F32PanelsLinearMethod(ops)
+        layer.quant_method = method
         moved += 1
     return moved
+
+
+def use_f32_panels(model: nn.Module, ops: CpuOps) -> int:
+    """Move every unquantized float32 linear onto f32_linear's panels where the kernels have
+    its AVX2 form (not where oneDNN has AVX-512: use_onednn_packed). Returns how many."""
+    if not ops.f32_linear_isa():
+        return 0
+    return _repack_float32_linears(model, "f32_panels", pack_f32_panels, F32PanelsLinearMethod(ops), rows_of=16)
+
+
+def use_onednn_packed(model: nn.Module) -> int:
+    """Where the panels are not built (AVX-512), move every unquantized float32 linear onto
+    oneDNN's packed copy of its weight (OneDnnPackedLinearMethod: 1.3-1.8x F.linear's
+    speed on a Zen 4). Returns how many."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    pack = lambda w: torch.ops.mkldnn._reorder_linear_weight(w, DENSE_PACK_ROWS)  # noqa: E731
+    return _repack_float32_linears(model, "onednn_packed", pack, OneDnnPackedLinearMethod())
 
 
 def float32_head_panels(model: LlamaForCausalLM, ops: CpuOps) -> bool:
