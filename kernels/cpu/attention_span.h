@@ -127,11 +127,12 @@ inline V16 tree16(const Quad* z) {
 #endif
 
 constexpr int64_t kSpanVecs = 16;  // G * D / 16 sums in registers (SmolLM2: 3 * 4)
-// Positions ahead whose K / V rows are prefetched into L1; pass 1 fetches V's too, so pass 2
+// Positions ahead whose K / V rows are prefetched into L2; pass 1 fetches V's too, so pass 2
 // reads them from cache. (With 8 and K only, SmolLM2's 30 layers of a 16 x 192 decode laid out
 // as serving lays it out took 5.3 ms; with 24, V in pass 1 and the next item's rows below, 4.2-4.7
-// on a Zen 4, against 1.8 with every row in L3: bench/RESULTS.md item 36.)
-constexpr int64_t kSpanAhead = 24;
+// on a Zen 4, against 1.8 with every row in L3: bench/RESULTS.md item 36. Into L1 at 48 no
+// faster than at 24; into L2 at 48 another 5-15%, at 24 or 96 less: item 37.)
+constexpr int64_t kSpanAhead = 48;
 
 // K and V rows of positions [t0, t1) of a sequence (slots idx), `bytes` of each from channel
 // `off`, into L2: the next work item's, fetched while this one computes, so that its first
@@ -154,7 +155,7 @@ inline void prefetch_span_l2(const KT* kp, const KT* vp, const int64_t* idx, int
 template <typename KT>
 __attribute__((always_inline)) inline void load_row(const KT* buf, const int64_t* idx, int64_t t, int64_t len, int64_t row,
                                                     int64_t off, int64_t dv, V16* out) {
-  if (t + kSpanAhead < len) prefetch_row(buf + idx[t + kSpanAhead] * row + off, dv * 16 * sizeof(KT));
+  if (t + kSpanAhead < len) prefetch_row_l2(buf + idx[t + kSpanAhead] * row + off, dv * 16 * sizeof(KT));
   const KT* r = buf + idx[t] * row + off;
   for (int64_t j = 0; j < dv; ++j) out[j] = load16(r + 16 * j);
 }
@@ -181,7 +182,7 @@ void attend_span(const float* qf, const KT* kp, const KT* vp, const int64_t* idx
     V16 kv[kSpanVecs];
     if (t < len) {
       load_row(kp, idx + t0, t, len, row, h * D, dv, kv);
-      if (t + kSpanAhead < len) prefetch_row(vp + idx[t0 + t + kSpanAhead] * row + h * D, dv * 16 * sizeof(KT));
+      if (t + kSpanAhead < len) prefetch_row_l2(vp + idx[t0 + t + kSpanAhead] * row + h * D, dv * 16 * sizeof(KT));
     } else {
       for (int64_t j = 0; j < dv; ++j) kv[j] = v16_zero();
     }
