@@ -111,7 +111,8 @@ class OneDnnPackedLinearMethod(UnquantizedLinearMethod):
     row_invariant: ClassVar[bool] = False
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), layer.onednn_packed, bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(rows, layer.onednn_packed, bias, "none", [], "")
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def dequantize(self, layer: LinearBase) -> torch.Tensor:

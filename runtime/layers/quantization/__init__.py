@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Literal, cast
 import torch
 from torch import nn
 
-from runtime.layers.linear import F32PanelsLinearMethod, LinearBase, LinearMethod, OneDnnPackedLinearMethod, UnquantizedLinearMethod
+from runtime.layers.linear import (
+    F32PanelsLinearMethod,
+    LinearBase,
+    LinearMethod,
+    OneDnnPackedLinearMethod,
+    UnquantizedLinearMethod,
+)
 from runtime.layers.quantization.gguf import GgufLinearMethod, Int4PlanesLinearMethod, dense_dtype
 from runtime.layers.quantization.int4 import Int4LinearMethod
 from runtime.layers.quantization.int8 import Int8LinearMethod
@@ -53,8 +59,8 @@ def get_linear_method(name: QuantizationName) -> LinearMethod:
 
 def linear_form(layer: LinearBase) -> str:
     """What a layer computes with: float, float-panels (the same weight in f32_linear's
-    layout), float-onednn (in oneDNN's blocked layout), int8, int4, int4x<P> (P int4 planes summed), or q4q8 (Q4 blocks x int8
-    activations)."""
+    layout), float-onednn (in oneDNN's blocked layout), int8, int4, int4x<P> (P int4 planes
+    summed), or q4q8 (Q4 blocks x int8 activations)."""
     method = layer.quant_method
     if isinstance(method, Q4Q8LinearMethod):
         return "q4q8"
