@@ -106,24 +106,34 @@ def test_the_engine_form_exactly_where_the_cpu_has_avx2_and_no_avx512(cpu_ops: C
     assert cpu_ops.f32_linear_isa() == ("avx2" if not avx512 and {"avx2", "fma"} <= flags else "")
 
 
+def float32_linears_beside_a_bf16_one(a_rows: int, **more: int) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A module of linears: `a` (576 -> a_rows, with a bias), one 64 -> rows float32 layer per
+    `more` entry, and `bf16` (64 -> 32, bfloat16); random weights. Returns it with copies of
+    a's weight and bias."""
+    from runtime.layers.linear import ColumnParallelLinear
+
+    model = torch.nn.Module()
+    model.a = ColumnParallelLinear(576, a_rows, bias=True)
+    for name, rows in more.items():
+        setattr(model, name, ColumnParallelLinear(64, rows))
+    model.bf16 = ColumnParallelLinear(64, 32)
+    for layer in model.children():
+        torch.nn.init.normal_(layer.weight, std=0.05)
+    model.bf16.weight.data = model.bf16.weight.data.bfloat16()
+    torch.nn.init.normal_(model.a.bias)
+    return model, model.a.weight.detach().clone(), model.a.bias.detach().clone()
+
+
 def test_unquantized_float32_linears_move_onto_the_panels_where_the_kernel_has_avx2(cpu_ops: CpuOps) -> None:
     """runtime.models.cpu_path.use_f32_panels: a float32 linear whose output rows are whole
     panels computes on them (the plain weight goes, the panels hold it exactly), with its
     bias and any leading dims; other rows counts and dtypes keep F.linear."""
-    from runtime.layers.linear import ColumnParallelLinear, F32PanelsLinearMethod, UnquantizedLinearMethod
+    from runtime.layers.linear import F32PanelsLinearMethod, UnquantizedLinearMethod
     from runtime.layers.quantization import linear_form
     from runtime.models.cpu_path import use_f32_panels
 
     torch.manual_seed(4)
-    model = torch.nn.Module()
-    model.a = ColumnParallelLinear(576, 192, bias=True)
-    model.odd = ColumnParallelLinear(64, 40)  # 40 rows: no whole panels
-    model.bf16 = ColumnParallelLinear(64, 32)
-    for layer in (model.a, model.odd, model.bf16):
-        torch.nn.init.normal_(layer.weight, std=0.05)
-    model.bf16.weight.data = model.bf16.weight.data.bfloat16()
-    torch.nn.init.normal_(model.a.bias)
-    weight, bias = model.a.weight.detach().clone(), model.a.bias.detach().clone()
+    model, weight, bias = float32_linears_beside_a_bf16_one(192, odd=40)  # 40 rows: no whole panels
     moved = use_f32_panels(model, cpu_ops)
     if not cpu_ops.f32_linear_isa():
         assert moved == 0 and all(type(m.quant_method) is UnquantizedLinearMethod for m in (model.a, model.odd))
@@ -144,21 +154,14 @@ def test_without_the_panels_float32_linears_take_onednns_packed_copy(cpu_ops: Cp
     """runtime.models.cpu_path.use_onednn_packed (AVX-512 CPUs, where f32_linear is not
     built): every float32 linear's weight becomes oneDNN's packed copy, which gives the
     weight back exactly and computes x @ W.T + bias with float32 sums; other dtypes stay."""
-    from runtime.layers.linear import ColumnParallelLinear, OneDnnPackedLinearMethod
+    from runtime.layers.linear import OneDnnPackedLinearMethod
     from runtime.layers.quantization import linear_form
     from runtime.models.cpu_path import use_onednn_packed
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch was built without oneDNN")
     torch.manual_seed(5)
-    model = torch.nn.Module()
-    model.a = ColumnParallelLinear(576, 200, bias=True)  # any row count: oneDNN needs no panels
-    model.bf16 = ColumnParallelLinear(64, 32)
-    for layer in (model.a, model.bf16):
-        torch.nn.init.normal_(layer.weight, std=0.05)
-    model.bf16.weight.data = model.bf16.weight.data.bfloat16()
-    torch.nn.init.normal_(model.a.bias)
-    weight, bias = model.a.weight.detach().clone(), model.a.bias.detach().clone()
+    model, weight, bias = float32_linears_beside_a_bf16_one(200)  # any row count: oneDNN needs no panels
     assert use_onednn_packed(model) == 1
     assert linear_form(model.a) == "float-onednn" and not hasattr(model.a, "weight") and linear_form(model.bf16) == "float"
     method = model.a.quant_method
