@@ -141,12 +141,8 @@ template <typename KT>
 inline void prefetch_span_l2(const KT* kp, const KT* vp, const int64_t* idx, int64_t t0, int64_t t1, int64_t row,
                              int64_t off, int64_t bytes) {
   for (int64_t t = t0; t < t1; ++t) {
-    const char* k = reinterpret_cast<const char*>(kp + idx[t] * row + off);
-    const char* v = reinterpret_cast<const char*>(vp + idx[t] * row + off);
-    for (int64_t l = 0; l < bytes; l += 64) {
-      _mm_prefetch(k + l, _MM_HINT_T1);
-      _mm_prefetch(v + l, _MM_HINT_T1);
-    }
+    prefetch_row_l2(kp + idx[t] * row + off, bytes);
+    prefetch_row_l2(vp + idx[t] * row + off, bytes);
   }
 }
 
