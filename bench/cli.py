@@ -2,7 +2,7 @@
 
 app/cli.py calls `register(subparsers)` while building its parser on every
 invocation (`sluice serve` included), so this module and the tool modules'
-top levels import nothing heavy (no torch, no transformers, no httpx); each
+top levels import nothing heavy (no torch, no transformers, no aiohttp); each
 tool imports what it needs when it runs.
 """
 

@@ -7,6 +7,11 @@ chat template then adds its own tokens, which the server-reported prompt count
 includes). Every request asks for ignore_eos and max tokens = its output length,
 so output counts are exact; the counts reported are the server's.
 
+The client is aiohttp (SGLang's bench_serving's): the benchmark shares the machine
+with the server it measures, and its parse of every streamed event is CPU taken from the
+server. httpx's pure-Python streaming took 0.6-0.75 s of CPU in a 16-stream run of 4096
+events on a 2-core Zen 4, aiohttp's C parser 0.23-0.31 s (bench/RESULTS.md item 38).
+
 `--compare-llamacpp BIN` then starts llama.cpp's `llama-server` from BIN on the same
 GGUF (bench/llamacpp.py), sends it the identical request list (token-id prompts on its
 /v1/completions, or the same texts on /v1/chat/completions) with the same warm-up,
@@ -28,12 +33,13 @@ from bench.datasets import BenchRequest, add_dataset_arguments, attach_texts, bu
 from bench.metrics import WIDTH, RequestResult, append_jsonl, compute_metrics, format_report, machine_info, rule, save_records
 
 if TYPE_CHECKING:
-    import httpx
+    import aiohttp
     import numpy as np
 
 BACKENDS = ("sluice", "openai", "openai-chat")
 # llama-server has no /generate: token-id prompts go to its /v1/completions instead.
 LLAMACPP_BACKEND = {"sluice": "openai", "openai": "openai", "openai-chat": "openai-chat"}
+JSON = {"Content-Type": "application/json"}
 CHAT_TEMPLATE_MARGIN = 64  # tokens a chat template may add to a prompt (for llama-server's context size)
 
 
@@ -62,13 +68,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---- one request per backend ------------------------------------------------------------
 
 
-async def _sse_data(response: httpx.Response) -> AsyncIterator[bytes]:
-    async for line in response.aiter_lines():
-        if line.startswith("data: "):
-            data = line[6:].encode()
-            if data == b"[DONE]":
-                return
-            yield data
+async def _sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The payloads of an SSE stream's `data:` lines, up to `[DONE]`. Lines are split
+    here rather than by aiohttp's readline, which caps a line's length (a cumulative
+    chunk of a long output can exceed it)."""
+    pending = b""
+    async for piece in response.content.iter_any():
+        pending += piece
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data: "):
+                data = line[6:].rstrip(b"\r")
+                if data == b"[DONE]":
+                    return
+                yield data
 
 
 def _payload(backend: str, req: BenchRequest) -> tuple[str, dict[str, Any]]:
@@ -112,8 +125,8 @@ def _final_counts(backend: str, event: dict[str, Any], res: RequestResult) -> No
         res.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
-async def send_one(client: httpx.AsyncClient, backend: str, req: BenchRequest) -> RequestResult:
-    import httpx
+async def send_one(client: aiohttp.ClientSession, backend: str, req: BenchRequest) -> RequestResult:
+    import aiohttp
     import orjson
 
     path, body = _payload(backend, req)
@@ -122,9 +135,9 @@ async def send_one(client: httpx.AsyncClient, backend: str, req: BenchRequest) -
     last = start
     seen = 0
     try:
-        async with client.stream("POST", path, json=body) as response:
-            if response.status_code != 200:
-                res.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+        async with client.post(path, data=orjson.dumps(body), headers=JSON) as response:
+            if response.status != 200:
+                res.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                 return res
             async for data in _sse_data(response):
                 event = orjson.loads(data)
@@ -144,7 +157,7 @@ async def send_one(client: httpx.AsyncClient, backend: str, req: BenchRequest) -
         res.success = res.ttft > 0.0
         if not res.success:
             res.error = "the stream carried no output"
-    except (httpx.HTTPError, OSError, ValueError) as exc:
+    except (aiohttp.ClientError, OSError, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"[:200]
     return res
 
@@ -175,14 +188,19 @@ def load_tokenizer(args: argparse.Namespace, info: dict[str, Any] | None) -> Any
     return AutoTokenizer.from_pretrained(str(prepare_model_dir(None, "auto")))
 
 
-async def _flush(client: httpx.AsyncClient) -> bool:
+async def _flush(client: aiohttp.ClientSession) -> bool:
     # The warm-up's last overlap step may still be in flight: retry briefly.
     for _ in range(50):
-        r = await client.post("/flush_cache")
-        if r.status_code == 200:
-            return True
+        async with client.post("/flush_cache") as r:
+            if r.status == 200:
+                return True
         await asyncio.sleep(0.1)
     return False
+
+
+async def _get_json(client: aiohttp.ClientSession, path: str) -> dict[str, Any] | None:
+    async with client.get(path) as r:
+        return await r.json(content_type=None) if r.status == 200 else None
 
 
 @dataclass(slots=True)
@@ -214,15 +232,16 @@ async def bench_server(
     title: str = " Serving Benchmark Result ",
 ) -> tuple[dict[str, Any], Workload]:
     """Warm up, (flush,) send `work` (built from the server's tokenizer if None); the metrics record."""
-    import httpx
+    import aiohttp
     import numpy as np
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as client:
+    session = aiohttp.ClientSession(
+        base_url, headers=headers, timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+    )
+    async with session as client:
         if work is None:
-            info_r = await client.get("/get_model_info")
-            info = info_r.json() if info_r.status_code == 200 else None
+            info = await _get_json(client, "/get_model_info")
             tokenizer = await asyncio.to_thread(load_tokenizer, args, info)
             work = build_workload(args, tokenizer)
         requests = work.requests
@@ -253,10 +272,9 @@ async def bench_server(
         results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
         bar.close()
-        server = await client.get("/get_server_info")
-        if server.status_code != 200:
-            server = await client.get("/props")  # llama-server's
-        server_info = server.json() if server.status_code == 200 else {}
+        server_info = await _get_json(client, "/get_server_info")
+        if server_info is None:
+            server_info = await _get_json(client, "/props") or {}  # llama-server's
 
     m = compute_metrics(results, duration)
     header = [
@@ -343,14 +361,14 @@ async def compare(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(args: argparse.Namespace) -> int:
-    import httpx
+    import aiohttp
 
     try:
         if args.compare_llamacpp:
             records = asyncio.run(compare(args))
         else:
             records = [asyncio.run(run(args))]
-    except (httpx.HTTPError, OSError, RuntimeError) as exc:
+    except (aiohttp.ClientError, OSError, RuntimeError) as exc:
         print(f"sluice bench serving: error: {exc}", file=sys.stderr)
         return 1
     return 0 if all(r["failed"] == 0 for r in records) else 1
