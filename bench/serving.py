@@ -15,7 +15,10 @@ events on a 2-core Zen 4, aiohttp's C parser 0.23-0.31 s (bench/RESULTS.md item 
 `--compare-llamacpp BIN` then starts llama.cpp's `llama-server` from BIN on the same
 GGUF (bench/llamacpp.py), sends it the identical request list (token-id prompts on its
 /v1/completions, or the same texts on /v1/chat/completions) with the same warm-up,
-concurrency and arrivals, and prints sluice / llama.cpp ratios.
+concurrency and arrivals, and prints sluice / llama.cpp ratios. `--compare-rounds N`
+alternates the two N times on fresh requests each round and compares medians: on a
+shared VM one engine's run and the other's can see machines of different speed (llama-
+server's 16-stream tok/s ranged 100-131 within 4 minutes of one session, item 38).
 """
 
 from __future__ import annotations
@@ -62,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--llamacpp-model", metavar="GGUF", default=None, help="GGUF for llama-server. Default: the embedded SmolLM2 GGUF.")
     g.add_argument("--llamacpp-parallel", type=int, default=None, help="llama-server slots (-np). Default: --max-concurrency, else every request.")
     g.add_argument("--llamacpp-threads", type=int, default=None, help="llama-server --threads. Default: every core.")
+    g.add_argument(
+        "--compare-rounds", type=int, default=1,
+        help="Alternate the two engines this many times (round i: fresh requests from --seed + i, sluice then "
+        "llama.cpp) and compare the medians: a shared VM's speed drifts between one engine's run and the other's.",
+    )
     add_dataset_arguments(parser)
 
 
@@ -311,13 +319,16 @@ COMPARED = (
 )
 
 
-def format_comparison(sluice: dict[str, Any], llama: dict[str, Any]) -> str:
-    """One row per metric: sluice, llama.cpp, and the ratio sluice / llama.cpp."""
+def format_comparison(sluice: dict[str, Any], llama: dict[str, Any], rounds: list[float] | None = None) -> str:
+    """One row per metric: sluice, llama.cpp, and the ratio sluice / llama.cpp; with
+    several rounds, the metrics are each engine's medians and the rounds' throughput
+    ratios follow."""
 
     def line(label: str, a: Any, b: Any, ratio: Any) -> str:
         return f"{label:<34} {a:>12} {b:>12} {ratio:>10}"
 
-    lines = [rule(" sluice vs llama.cpp ", "="), line("", "sluice", "llama.cpp", "ratio")]
+    title = " sluice vs llama.cpp " if not rounds or len(rounds) == 1 else f" sluice vs llama.cpp, medians of {len(rounds)} rounds "
+    lines = [rule(title, "="), line("", "sluice", "llama.cpp", "ratio")]
     for label, key, higher_better in COMPARED:
         a, b = float(sluice[key]), float(llama[key])
         ratio = f"{a / b:.2f}" if b > 0 else "n/a"
@@ -325,9 +336,20 @@ def format_comparison(sluice: dict[str, Any], llama: dict[str, Any]) -> str:
     for label, key in (("Completed requests", "completed"), ("Failed requests", "failed"),
                        ("Total generated tokens", "total_output_tokens"), ("Output length mismatches", "output_len_mismatches")):
         lines.append(line(label, sluice[key], llama[key], ""))
+    if rounds and len(rounds) > 1:
+        lines.append("Throughput ratio by round: " + ", ".join(f"{r:.2f}" for r in rounds))
     lines.append("ratio = sluice / llama.cpp; ↑ higher is better for sluice, ↓ lower is better")
     lines.append("=" * max(WIDTH, len(lines[1])))
     return "\n".join(lines)
+
+
+def median_record(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The per-metric medians of several runs' records (the compared and counted keys)."""
+    import statistics
+
+    keys = [key for _, key, _ in COMPARED]
+    counts = ("completed", "failed", "total_output_tokens", "output_len_mismatches")
+    return {**{k: statistics.median(float(r[k]) for r in records) for k in keys}, **{k: sum(r[k] for r in records) for k in counts}}
 
 
 def llamacpp_context(work: Workload, parallel: int) -> int:
@@ -337,7 +359,9 @@ def llamacpp_context(work: Workload, parallel: int) -> int:
 
 
 async def compare(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The run against the sluice server, then the identical requests against a llama-server."""
+    """The run against the sluice server, then the identical requests against a
+    llama-server; with --compare-rounds N, N such pairs, each on fresh requests (a
+    llama-server's prompt cache would otherwise serve a repeated prompt)."""
     from bench.llamacpp import LlamaServer
 
     sluice, work = await bench_server(args, args.base_url, args.backend, flush=not args.no_flush_cache, title=" sluice ")
@@ -347,15 +371,24 @@ async def compare(args: argparse.Namespace) -> list[dict[str, Any]]:
         args.compare_llamacpp, gguf, ctx=llamacpp_context(work, parallel), parallel=parallel, threads=args.llamacpp_threads
     )
     print(f"starting llama-server ({args.compare_llamacpp}, -np {parallel}); log: {server.log_path}")
+    pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
     try:
         server.start()  # blocks the loop while llama-server loads: nothing else is running
-        # No /flush_cache there; the warm-up prompts share no prefix with the dataset.
-        llama, _ = await bench_server(args, server.base_url, LLAMACPP_BACKEND[args.backend], work, flush=False, title=" llama.cpp ")
+        for i in range(max(1, args.compare_rounds)):
+            if i > 0:
+                work = build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + i}), work.tokenizer)
+                sluice, _ = await bench_server(args, args.base_url, args.backend, work, flush=not args.no_flush_cache,
+                                               title=f" sluice, round {i + 1} ")
+            # No /flush_cache there; the warm-up prompts share no prefix with the dataset.
+            llama, _ = await bench_server(args, server.base_url, LLAMACPP_BACKEND[args.backend], work, flush=False,
+                                          title=" llama.cpp " if i == 0 else f" llama.cpp, round {i + 1} ")
+            llama["llamacpp_command"] = server.cmd
+            pairs.append((sluice, llama))
     finally:
         server.stop()
-    llama["llamacpp_command"] = server.cmd
-    print(format_comparison(sluice, llama))
-    records = [{"engine": "sluice", **sluice}, {"engine": "llama.cpp", **llama}]
+    ratios = [s["output_throughput"] / l["output_throughput"] if l["output_throughput"] > 0 else 0.0 for s, l in pairs]
+    print(format_comparison(median_record([s for s, _ in pairs]), median_record([l for _, l in pairs]), ratios))
+    records = [{"engine": engine, "round": i, **r} for i, pair in enumerate(pairs) for engine, r in zip(("sluice", "llama.cpp"), pair)]
     save_records(args.output_file, "serving", records, args)
     return records
 

@@ -300,3 +300,45 @@ def test_serving_compare_llamacpp_sends_the_same_requests_to_both(
     assert argv[argv.index("--parallel") + 1] == "3" and argv[argv.index("--model") + 1] == str(gguf)
     assert int(argv[argv.index("--ctx-size") + 1]) >= 3 * 27
     assert not is_alive(start["pid"])
+
+
+def test_serving_compare_rounds_alternate_the_engines_on_fresh_requests(
+    tiny_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--compare-rounds 2: sluice, llama.cpp, sluice, llama.cpp; each round's requests go
+    to both engines, and round 2's are not round 1's (a llama-server's prompt cache would
+    serve a repeated prompt); the summary gives each round's throughput ratio."""
+    from bench import serving
+    from tests.test_bench_llamacpp import write_fake_llama_server
+
+    sent: list[tuple[str, tuple[int, ...]]] = []
+    real_send_one = serving.send_one
+
+    async def spy(client: Any, backend: str, req: Any) -> Any:
+        sent.append((backend, tuple(req.prompt_ids)))
+        return await real_send_one(client, backend, req)
+
+    monkeypatch.setattr(serving, "send_one", spy)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    out = tmp_path / "serving.jsonl"
+    ns = parse("serving", "--base-url", tiny_server.base_url, "--num-prompts", "4", "--random-input-len", "12",
+               "--random-output-len", "3", "--max-concurrency", "2", "--disable-tqdm", "--output-file", str(out),
+               "--compare-llamacpp", str(write_fake_llama_server(tmp_path)), "--llamacpp-model", str(gguf),
+               "--compare-rounds", "2")
+    assert serving.main(ns) == 0
+    runs: list[tuple[str, set[tuple[int, ...]]]] = []  # consecutive sends to one engine
+    for backend, prompt in sent:
+        if not runs or runs[-1][0] != backend:
+            runs.append((backend, set()))
+        runs[-1][1].add(prompt)
+    assert [b for b, _ in runs] == ["sluice", "openai", "sluice", "openai"]
+    assert runs[0][1] == runs[1][1] and runs[2][1] == runs[3][1] and len(runs[0][1]) == 5  # 4 + the warm-up
+    assert not runs[0][1] & runs[2][1]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["engine"], r["round"]) for r in records] == [("sluice", 0), ("llama.cpp", 0), ("sluice", 1), ("llama.cpp", 1)]
+    assert all(r["completed"] == 4 and r["failed"] == 0 for r in records)
+    text = capsys.readouterr().out
+    assert "medians of 2 rounds" in text
+    (ratios,) = [line for line in text.splitlines() if line.startswith("Throughput ratio by round: ")]
+    assert len(ratios.split(":")[1].split(",")) == 2
