@@ -244,9 +244,11 @@ async def bench_server(
     import numpy as np
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    session = aiohttp.ClientSession(
-        base_url, headers=headers, timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
-    )
+    # A connection per request (force_close), as SGLang's bench_serving opens a session per
+    # request: llama-server closes a kept-alive connection after a few requests, and a
+    # pooled connection it has just closed fails the next request ("Can not write request body").
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    session = aiohttp.ClientSession(base_url, headers=headers, timeout=aiohttp.ClientTimeout(total=None), connector=connector)
     async with session as client:
         if work is None:
             info = await _get_json(client, "/get_model_info")
