@@ -9,7 +9,7 @@ so output counts are exact; the counts reported are the server's.
 
 The client is aiohttp (SGLang's bench_serving's): the benchmark shares the machine
 with the server it measures, and its parse of every streamed event is CPU taken from the
-server. httpx's pure-Python streaming took 0.6-0.75 s of CPU in a 16-stream run of 4096
+server. httpx's pure-Python streaming took 0.49-0.76 s of CPU in a 16-stream run of 4096
 events on a 2-core Zen 4, aiohttp's C parser 0.23-0.31 s (bench/RESULTS.md item 38).
 
 `--compare-llamacpp BIN` then starts llama.cpp's `llama-server` from BIN on the same
