@@ -124,6 +124,21 @@ def float32_linears_beside_a_bf16_one(a_rows: int, **more: int) -> tuple[torch.n
     return model, model.a.weight.detach().clone(), model.a.bias.detach().clone()
 
 
+def check_repacked(layer: torch.nn.Module, method_type: type, weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A repacked float32 linear: its method gives `weight` back exactly, and on a random
+    [2, 7, 576] input it computes x @ W.T + bias within float32 sums' bound; (x, y)."""
+    method = layer.quant_method
+    assert isinstance(method, method_type) and torch.equal(method.dequantize(layer), weight)
+    x = torch.randn(2, 7, 576)
+    with torch.no_grad():
+        y = layer(x)
+    rows = weight.shape[0]
+    assert y.shape == (2, 7, rows)
+    err = ((y - bias).double() - x.double() @ weight.double().T).abs()
+    assert err.le(float32_sums_bound(x.reshape(14, 576), weight).view(2, 7, rows)).all()
+    return x, y
+
+
 def test_unquantized_float32_linears_move_onto_the_panels_where_the_kernel_has_avx2(cpu_ops: CpuOps) -> None:
     """runtime.models.cpu_path.use_f32_panels: a float32 linear whose output rows are whole
     panels computes on them (the plain weight goes, the panels hold it exactly), with its
@@ -140,14 +155,8 @@ def test_unquantized_float32_linears_move_onto_the_panels_where_the_kernel_has_a
         return
     assert moved == 1 and linear_form(model.a) == "float-panels" and not hasattr(model.a, "weight")
     assert linear_form(model.odd) == "float" and linear_form(model.bf16) == "float"
-    method = model.a.quant_method
-    assert isinstance(method, F32PanelsLinearMethod) and torch.equal(method.dequantize(model.a), weight)
-    x = torch.randn(2, 7, 576)
-    with torch.no_grad():
-        y = model.a(x)
-    assert y.shape == (2, 7, 192)
+    x, y = check_repacked(model.a, F32PanelsLinearMethod, weight, bias)
     assert torch.equal(y, cpu_ops.f32_linear(x.reshape(14, 576), pack_f32_panels(weight)).view(2, 7, 192) + bias)
-    assert ((y - bias).double() - x.double() @ weight.double().T).abs().le(float32_sums_bound(x.reshape(14, 576), weight).view(2, 7, 192)).all()
 
 
 def test_without_the_panels_float32_linears_take_onednns_packed_copy(cpu_ops: CpuOps) -> None:
@@ -164,14 +173,7 @@ def test_without_the_panels_float32_linears_take_onednns_packed_copy(cpu_ops: Cp
     model, weight, bias = float32_linears_beside_a_bf16_one(200)  # any row count: oneDNN needs no panels
     assert use_onednn_packed(model) == 1
     assert linear_form(model.a) == "float-onednn" and not hasattr(model.a, "weight") and linear_form(model.bf16) == "float"
-    method = model.a.quant_method
-    assert isinstance(method, OneDnnPackedLinearMethod) and torch.equal(method.dequantize(model.a), weight)
-    x = torch.randn(2, 7, 576)
-    with torch.no_grad():
-        y = model.a(x)
-    assert y.shape == (2, 7, 200)
-    err = ((y - bias).double() - x.double() @ weight.double().T).abs()
-    assert err.le(float32_sums_bound(x.reshape(14, 576), weight).view(2, 7, 200)).all()
+    check_repacked(model.a, OneDnnPackedLinearMethod, weight, bias)
 
 
 def test_a_float32_model_bound_to_the_kernels_runs_its_linears_and_head_on_panels_and_equals_hf(
