@@ -1,5 +1,5 @@
 """`sluice bench serving --compare-llamacpp BIN`: the same requests against sluice and a
-llama-server side by side (bench/serving.py runs each side; bench/llamacpp.py owns the
+llama-server side by side (bench/serving_client.py runs each side; bench/llamacpp.py owns the
 llama-server process), in `--compare-rounds` alternating rounds, and the ratio table.
 """
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.metrics import WIDTH, rule, save_records
-from bench.serving import Workload, bench_server, build_workload
+from bench.serving_client import Workload, bench_server, build_workload
 
 # llama-server has no /generate: token-id prompts go to its /v1/completions instead.
 LLAMACPP_BACKEND = {"sluice": "openai", "openai": "openai", "openai-chat": "openai-chat"}

@@ -238,13 +238,13 @@ def tiny_server(tiny_server_process: ServerProcess) -> ServerProcess:
 def test_serving_backends_report_exact_counts(backend: str, tiny_server: Any, tiny_model: Path, tmp_path: Path) -> None:
     import asyncio
 
-    from bench import serving
+    from bench import serving_client
 
     out = tmp_path / "serving.jsonl"
     ns = parse("serving", "--backend", backend, "--base-url", tiny_server.base_url, "--num-prompts", "5",
                "--random-input-len", "20", "--random-output-len", "7", "--max-concurrency", "2", "--request-rate", "50",
                "--disable-tqdm", "--output-file", str(out))
-    r = asyncio.run(serving.run(ns))
+    r = asyncio.run(serving_client.run(ns))
     assert r["completed"] == 5 and r["failed"] == 0 and r["output_len_mismatches"] == 0
     assert r["total_output_tokens"] == 35
     if backend == "openai-chat":
@@ -308,17 +308,17 @@ def test_serving_compare_rounds_alternate_the_engines_on_fresh_requests(
     """--compare-rounds 2: sluice, llama.cpp, sluice, llama.cpp; each round's requests go
     to both engines, and round 2's are not round 1's (a llama-server's prompt cache would
     serve a repeated prompt); the summary gives each round's throughput ratio."""
-    from bench import serving
+    from bench import serving, serving_client
     from tests.test_bench_llamacpp import write_fake_llama_server
 
     sent: list[tuple[str, tuple[int, ...]]] = []
-    real_send_one = serving.send_one
+    real_send_one = serving_client.send_one
 
     async def spy(client: Any, backend: str, req: Any) -> Any:
         sent.append((backend, tuple(req.prompt_ids)))
         return await real_send_one(client, backend, req)
 
-    monkeypatch.setattr(serving, "send_one", spy)
+    monkeypatch.setattr(serving_client, "send_one", spy)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     out = tmp_path / "serving.jsonl"
