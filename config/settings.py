@@ -102,6 +102,10 @@ class EngineSettings:
     )
     enable_mixed_chunk: bool = knob(False, "Let running decodes ride in prefill batches (ForwardMode.MIXED).")
     disable_overlap_schedule: bool = knob(False, "Run each forward inline instead of overlapping with scheduling.")
+    stream_interval: int = knob(
+        1, "A streamed request gets a chunk every this many output tokens (its first token and its last "
+        "chunk at once): fewer, larger chunks cost the server less per token (bench/RESULTS.md item 39)."
+    )
     enable_deterministic_inference: bool | None = knob(
         None, "Temperature-0 output (and seeded sampling) independent of batch composition: batch-invariant "
         "linear and attention (same reduction order for a row whatever the batch); sampling is per row. CPU "
@@ -221,6 +225,7 @@ def validate(s: EngineSettings | ServerSettings) -> None:
         _check_min("page_size", s.page_size, 1, allow_none=False)
         _check_min("max_prefill_tokens", s.max_prefill_tokens, 1, allow_none=False)
         _check_min("decode_log_interval", s.decode_log_interval, 1, allow_none=False)
+        _check_min("stream_interval", s.stream_interval, 1, allow_none=False)
         _check_min("trace_buffer_size", s.trace_buffer_size, 0, allow_none=False)
         if s.chunked_prefill_size is not None and s.chunked_prefill_size != -1 and s.chunked_prefill_size < 1:
             raise SettingsError("chunked_prefill_size: must be -1 (off), None (auto) or >= 1")

@@ -126,4 +126,6 @@ class EmbeddingOutputProcessor(OutputProcessor):
 
 def output_processor(settings: EngineSettings, tokenizer: Any) -> OutputProcessor:
     """The engine's output processor: text chunks, or on an embedding server one vector each."""
-    return (EmbeddingOutputProcessor if settings.is_embedding else OutputProcessor)(tokenizer)
+    if settings.is_embedding:
+        return EmbeddingOutputProcessor(tokenizer)
+    return OutputProcessor(tokenizer, settings.stream_interval)

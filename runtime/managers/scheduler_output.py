@@ -20,8 +20,9 @@ class OutputProcessor:
     string finishes the request before its KV is released.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval  # a streamed request's tokens per chunk (SGLang's)
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.sinks: dict[str, tuple[Sink, bool]] = {}
 
@@ -55,6 +56,9 @@ class OutputProcessor:
         sink, stream = entry
         finished = req.finished()
         if not (stream or finished):
+            return True
+        n = len(req.output_ids)
+        if not finished and n > 1 and n % self.stream_interval:  # the first token goes out at once
             return True
         detok = self.detoks[req.rid]
         detok.feed(req.output_ids, check_stop=len(req.output_ids) >= req.sampling_params.min_new_tokens)
