@@ -106,13 +106,14 @@ async def send_one(client: aiohttp.ClientSession, backend: str, req: BenchReques
                 if "error" in event:
                     res.error = str(event["error"])[:200]
                     return res
+                before = seen
                 fresh, seen = _new_output(backend, event, seen)
                 now = time.perf_counter()
                 if fresh:
                     if res.ttft == 0.0:
                         res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
+                    else:  # a chunk of k tokens (--stream-interval k): k gaps of 1/k its wait, as SGLang's client
+                        res.itl.extend([(now - last) / (seen - before)] * (seen - before))
                     last = now
                 _final_counts(backend, event, res)
         res.latency = time.perf_counter() - start

@@ -101,3 +101,39 @@ async def test_the_routes_stream_chunks_of_several_tokens_that_add_up_to_the_who
         assert events[-1]["text"] == (await client.post("/generate", json=native)).json()["text"]  # cumulative text
         assert state.inflight == 0 and not state.groups
 
+
+async def test_the_benchmark_client_spreads_a_chunks_wait_over_its_tokens() -> None:
+    """`sluice bench serving` against a server streaming chunks of 1, 3, 4 and 2 tokens (a
+    real HTTP server on loopback): 9 inter-token gaps, each chunk's wait split evenly."""
+    import aiohttp
+    from aiohttp import web
+
+    from bench.datasets import BenchRequest
+    from bench.serving_client import send_one
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for done in (1, 4, 8, 10):
+            await asyncio.sleep(0.02 * (done != 1))
+            meta = {"completion_tokens": done, "prompt_tokens": 3, "finish_reason": None if done < 10 else {"type": "length"}}
+            await response.write(b"data: " + orjson.dumps({"text": "x", "meta_info": meta}) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as client:
+            res = await send_one(client, "sluice", BenchRequest(prompt_ids=[1, 2, 3], output_len=10))
+    finally:
+        await runner.cleanup()
+    assert res.success and res.output_len == 10 and len(res.itl) == 9
+    groups = [res.itl[0:3], res.itl[3:7], res.itl[7:9]]
+    assert all(len(set(g)) == 1 for g in groups)  # a chunk's tokens share its wait
+    assert all(0.015 / len(g) < g[0] for g in groups)  # each wait (~20 ms) split over the chunk's tokens
