@@ -135,7 +135,7 @@ class Metrics:
 class RequestTimer:
     """Latency bookkeeping of one engine request, from HTTP arrival to its last chunk."""
 
-    __slots__ = ("_metrics", "_name", "_arrival", "_last", "_done")
+    __slots__ = ("_metrics", "_name", "_arrival", "_last", "_done", "_itl")
 
     def __init__(self, metrics: Metrics, name: str, arrival: float) -> None:
         self._metrics = metrics
@@ -143,6 +143,7 @@ class RequestTimer:
         self._arrival = arrival
         self._last: float | None = None  # time of the last chunk that carried text
         self._done = False
+        self._itl = metrics.itl.labels(name)  # once, not per token
 
     def on_chunk(self, chunk: GenerateOutput) -> None:
         now = time.perf_counter()
@@ -150,9 +151,12 @@ class RequestTimer:
             if self._last is None:
                 self._metrics.ttft.labels(self._name).observe(now - self._arrival)
                 self._metrics.recent_ttft.observe(now - self._arrival, now)
-            else:
-                self._metrics.itl.labels(self._name).observe(now - self._last)
-                self._metrics.recent_itl.observe(now - self._last, now)
+            else:  # a chunk of k tokens (--stream-interval): k gaps of 1/k its wait, as SGLang counts them
+                k = max(1, len(chunk["output_ids"]))
+                gap = (now - self._last) / k
+                for _ in range(k):
+                    self._itl.observe(gap)
+                    self._metrics.recent_itl.observe(gap, now)
             self._last = now
         meta = chunk["meta_info"]
         if meta["finish_reason"] is not None and not self._done:

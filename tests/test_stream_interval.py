@@ -72,6 +72,12 @@ def sse(body: bytes) -> list[dict[str, Any]]:
     return [orjson.loads(e) for e in events[:-1]]
 
 
+async def itl_count(client: Any) -> float:
+    text = (await client.get("/metrics")).text
+    (line,) = [x for x in text.splitlines() if x.startswith("sglang:inter_token_latency_seconds_count")]
+    return float(line.split()[-1])
+
+
 async def test_the_routes_stream_chunks_of_several_tokens_that_add_up_to_the_whole() -> None:
     """OpenAI completions (text, logprobs), chat (content, logprobs) and native /generate,
     streamed at interval 4, against the same requests without a stream."""
@@ -96,7 +102,9 @@ async def test_the_routes_stream_chunks_of_several_tokens_that_add_up_to_the_who
         assert [x for d in deltas for x in d["logprobs"]["content"]] == whole["logprobs"]["content"]
 
         native = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}
+        itl_before = await itl_count(client)
         events = sse((await client.post("/generate", json={**native, "stream": True})).content)
+        assert await itl_count(client) == itl_before + 9  # the histogram counts tokens' gaps, not chunks'
         assert [e["meta_info"]["completion_tokens"] for e in events] == [1, 4, 8, 10]
         assert events[-1]["text"] == (await client.post("/generate", json=native)).json()["text"]  # cumulative text
         assert state.inflight == 0 and not state.groups
