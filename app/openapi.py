@@ -37,7 +37,7 @@ ROUTES: tuple[tuple[str, str, type[BaseModel] | None, str], ...] = (
     ("get", "/health", None, "Liveness/readiness (503 while starting or draining)."),
     ("get", "/health_generate", None, "Generate one token end to end."),
     ("get", "/get_model_info", None, "Model and tokenizer paths."),
-    ("get", "/get_server_info", None, "Server settings and engine state."),
+    ("get", "/get_server_info", None, "Engine and server settings (as resolved at start-up) and engine state."),
     ("get", "/model_info", None, "Alias of /get_model_info (SGLang's newer name)."),
     ("get", "/server_info", None, "Alias of /get_server_info (SGLang's newer name)."),
     ("get", "/get_load", None, "Load per data-parallel rank (one): requests, queue, KV tokens held."),

@@ -137,6 +137,7 @@ async def get_server_info(request: Request) -> Response:
     server = dataclasses.asdict(state.server)
     server["api_key"] = None if state.server.api_key is None else "<redacted>"
     return JSONResponse({
+        **dataclasses.asdict(engine.settings),  # as resolved at start-up (SGLang returns its server args)
         **server,
         **engine.get_server_info(),
         "served_model_name": state.model_name,

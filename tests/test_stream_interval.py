@@ -108,6 +108,8 @@ async def test_the_routes_stream_chunks_of_several_tokens_that_add_up_to_the_who
         assert [e["meta_info"]["completion_tokens"] for e in events] == [1, 4, 8, 10]
         assert events[-1]["text"] == (await client.post("/generate", json=native)).json()["text"]  # cumulative text
         assert state.inflight == 0 and not state.groups
+        info = (await client.get("/get_server_info")).json()  # what a benchmark record keeps of its server
+        assert info["stream_interval"] == 4 and info["page_size"] == engine.settings.page_size
 
 
 async def test_the_benchmark_client_spreads_a_chunks_wait_over_its_tokens() -> None:
