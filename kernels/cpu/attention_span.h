@@ -135,8 +135,8 @@ constexpr int64_t kSpanVecs = 16;  // G * D / 16 sums in registers (SmolLM2: 3 *
 constexpr int64_t kSpanAhead = 48;
 
 // K and V rows of positions [t0, t1) of a sequence (slots idx), `bytes` of each from channel
-// `off`, into L2: the next work item's, fetched while this one computes, so that its first
-// positions do not wait on memory (a decode item reads a few hundred scattered rows).
+// `off`, into L2 at once: a thread's first work item's, before it starts (a decode item reads a
+// few hundred scattered rows; later items' rows come spread over the previous item, SpreadRows).
 template <typename KT>
 inline void prefetch_span_l2(const KT* kp, const KT* vp, const int64_t* idx, int64_t t0, int64_t t1, int64_t row,
                              int64_t off, int64_t bytes) {
@@ -145,6 +145,14 @@ inline void prefetch_span_l2(const KT* kp, const KT* vp, const int64_t* idx, int
     prefetch_row_l2(vp + idx[t] * row + off, bytes);
   }
 }
+
+// Rows of the next work item to bring into L2 while this span computes: positions [t0, t1)
+// of slots idx, `bytes` of each K and V row from channel `off`, a few at each position of
+// pass 1 rather than all at once (paged_attention.cpp has the measurements). idx null: none.
+struct SpreadRows {
+  const int64_t* idx = nullptr;
+  int64_t t0 = 0, t1 = 0, off = 0, bytes = 0;
+};
 
 // out = the dv vectors at `off` of the row of slot idx[t], widened; prefetches the row
 // kSpanAhead positions on (a sequence's slots are anywhere in the pool).
@@ -165,7 +173,7 @@ __attribute__((always_inline)) inline void load_row(const KT* buf, const int64_t
 // (with runtime counts GCC keeps the sums in memory, a load and a store around every FMA).
 template <typename KT, int64_t kG = 0, int64_t kDV = 0>
 void attend_span(const float* qf, const KT* kp, const KT* vp, const int64_t* idx, int64_t t0, int64_t t1, int64_t row,
-                 int64_t h, int64_t G_, int64_t D, std::vector<float>& scores, float* part) {
+                 int64_t h, int64_t G_, int64_t D, std::vector<float>& scores, float* part, const SpreadRows& spread) {
   const int64_t G = kG > 0 ? kG : G_, dv = kDV > 0 ? kDV : D / 16, len = t1 - t0;
   if (static_cast<int64_t>(scores.size()) < G * len) scores.resize(G * len);
   V16 qv[kSpanVecs];
@@ -177,6 +185,13 @@ void attend_span(const float* qf, const KT* kp, const KT* vp, const int64_t* idx
   auto lanes = [&](int64_t t, V16* acc) {  // acc[g] = q_g's fma chains against k_t
     V16 kv[kSpanVecs];
     if (t < len) {
+      if (spread.idx != nullptr) {
+        const int64_t n = spread.t1 - spread.t0;
+        for (int64_t u = spread.t0 + n * t / len; u < spread.t0 + n * (t + 1) / len; ++u) {
+          prefetch_row_l2(kp + spread.idx[u] * row + spread.off, spread.bytes);
+          prefetch_row_l2(vp + spread.idx[u] * row + spread.off, spread.bytes);
+        }
+      }
       load_row(kp, idx + t0, t, len, row, h * D, dv, kv);
       if (t + kSpanAhead < len) prefetch_row_l2(vp + idx[t0 + t + kSpanAhead] * row + h * D, dv * 16 * sizeof(KT));
     } else {

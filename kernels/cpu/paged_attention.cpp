@@ -218,16 +218,25 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
       if constexpr (!std::is_same_v<KT, double>) {
         if (nq == 1 && shared_at[w] < 0 && G * (D / 16) <= sluice::kSpanVecs) {
           const auto attend = sluice::pick_attend_span<KT>(G, D);
-          // The next item's rows (a decode's too) into L2, and at a thread's first item its own:
-          // all of them asked for at once rather than 24 positions ahead.
-          for (int64_t next = item == begin ? item : item + 1; next <= item + 1 && next < end; ++next) {
-            const int64_t nw = order(next / (Hkv / hn)), nfirst = starts[nw];
+          // At a thread's first item its own rows into L2, all asked for at once; then, while an
+          // item computes, the next item's (a decode's), spread over its heads' pass 1: a burst of
+          // ~2000 prefetches at the item's start overflows the miss queues and most are dropped
+          // (30 layers of a 16 x 192 decode as serving lays it out: 4.1-4.5 ms burst, 3.1-3.5
+          // spread over the three heads, 4.1-5.1 over the first head's pass 1 alone, 3.8-4.6 over
+          // pass 1 and 2; bench/RESULTS.md item 39).
+          const int64_t bytes = hn * D * static_cast<int64_t>(sizeof(KT));
+          if (item == begin) sluice::prefetch_span_l2(kp, vp, idx, 0, span, row, h0 * D, bytes);
+          sluice::SpreadRows spread;
+          if (item + 1 < end) {
+            const int64_t nw = order((item + 1) / (Hkv / hn)), nfirst = starts[nw];
             if (starts[nw + 1] - nfirst == 1)
-              sluice::prefetch_span_l2(kp, vp, ip + rp[nfirst] * max_len, 0, lp[nfirst], row,
-                                       next % (Hkv / hn) * hn * D, hn * D * static_cast<int64_t>(sizeof(KT)));
+              spread = {ip + rp[nfirst] * max_len, 0, lp[nfirst], (item + 1) % (Hkv / hn) * hn * D, bytes};
           }
           for (int64_t h = 0; h < hn; ++h) {
-            attend(qf.data() + h * G * D, kp, vp, idx, 0, span, row, h0 + h, G, D, scores, part.data());
+            sluice::SpreadRows part_h = spread;  // head h's pass 1 fetches its share of the next item's rows
+            part_h.t0 = spread.t1 * h / hn;
+            part_h.t1 = spread.t1 * (h + 1) / hn;
+            attend(qf.data() + h * G * D, kp, vp, idx, 0, span, row, h0 + h, G, D, scores, part.data(), part_h);
             for (int64_t g = 0; g < G; ++g) {
               const float* pg = part.data() + g * (D + 2);
               const float inv = 1.f / pg[1];

@@ -127,9 +127,12 @@ void decode_spans(const Decode<T, KT>& a) {
     };
     for (int64_t w = begin; w < end; ++w) {
       const auto [i, h, t0, t1] = item(w);
-      for (int64_t next = w == begin ? w : w + 1; next <= w + 1 && next < end; ++next) {  // as paged_attention's
-        const auto [ni, nh, n0, n1] = item(next);
-        sluice::prefetch_span_l2(kp, vp, ip + ni * max_len, n0, n1, row, nh * D, D * static_cast<int64_t>(sizeof(KT)));
+      const int64_t bytes = D * static_cast<int64_t>(sizeof(KT));
+      if (w == begin) sluice::prefetch_span_l2(kp, vp, ip + i * max_len, t0, t1, row, h * D, bytes);
+      sluice::SpreadRows spread;  // the next item's rows, fetched across this one's pass 1 (as paged_attention's)
+      if (w + 1 < end) {
+        const auto [ni, nh, n0, n1] = item(w + 1);
+        spread = {ip + ni * max_len, n0, n1, nh * D, bytes};
       }
       float* part = parts.data() + w * stride;
       if (t0 == t1) {  // an empty span: adds nothing to the merge
@@ -137,7 +140,7 @@ void decode_spans(const Decode<T, KT>& a) {
         continue;
       }
       for (int64_t j = 0; j < G * D; ++j) qf[j] = static_cast<float>(qp[(i * Hq + h * G) * D + j]) * fscale;
-      sluice::pick_attend_span<KT>(G, D)(qf.data(), kp, vp, ip + i * max_len, t0, t1, row, h, G, D, scores, part);
+      sluice::pick_attend_span<KT>(G, D)(qf.data(), kp, vp, ip + i * max_len, t0, t1, row, h, G, D, scores, part, spread);
     }
   });
   // Merge the spans of each (sequence, query head): rescale to the common max.
