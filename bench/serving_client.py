@@ -113,7 +113,8 @@ async def send_one(client: aiohttp.ClientSession, backend: str, req: BenchReques
                     if res.ttft == 0.0:
                         res.ttft = now - start
                     else:  # a chunk of k tokens (--stream-interval k): k gaps of 1/k its wait, as SGLang's client
-                        res.itl.extend([(now - last) / (seen - before)] * (seen - before))
+                        k = seen - before
+                        res.itl.extend([(now - last) / k] * k)
                     last = now
                 _final_counts(backend, event, res)
         res.latency = time.perf_counter() - start

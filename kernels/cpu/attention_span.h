@@ -182,14 +182,14 @@ void attend_span(const float* qf, const KT* kp, const KT* vp, const int64_t* idx
   // lane vectors as before, their trees side by side (pair2, quad4, tree16). Positions
   // past len score a zero row; their lanes are not stored.
   constexpr int64_t kZ = kG > 0 ? kG : kSpanVecs;
+  int64_t next_u = spread.t0;  // spread's rows asked for so far: those before t0 + n (t + 1) / len by position t
   auto lanes = [&](int64_t t, V16* acc) {  // acc[g] = q_g's fma chains against k_t
     V16 kv[kSpanVecs];
     if (t < len) {
       if (spread.idx != nullptr) {
-        const int64_t n = spread.t1 - spread.t0;
-        for (int64_t u = spread.t0 + n * t / len; u < spread.t0 + n * (t + 1) / len; ++u) {
-          prefetch_row_l2(kp + spread.idx[u] * row + spread.off, spread.bytes);
-          prefetch_row_l2(vp + spread.idx[u] * row + spread.off, spread.bytes);
+        for (const int64_t u1 = spread.t0 + (spread.t1 - spread.t0) * (t + 1) / len; next_u < u1; ++next_u) {
+          prefetch_row_l2(kp + spread.idx[next_u] * row + spread.off, spread.bytes);
+          prefetch_row_l2(vp + spread.idx[next_u] * row + spread.off, spread.bytes);
         }
       }
       load_row(kp, idx + t0, t, len, row, h * D, dv, kv);

@@ -61,10 +61,10 @@ class OutputProcessor:
         if not finished and n > 1 and n % self.stream_interval:  # the first token goes out at once
             return True
         detok = self.detoks[req.rid]
-        detok.feed(req.output_ids, check_stop=len(req.output_ids) >= req.sampling_params.min_new_tokens)
+        detok.feed(req.output_ids, check_stop=n >= req.sampling_params.min_new_tokens)
         text = detok.release(finished)
         # Chunks are deltas (io_struct): tokens [start, now) have not been handed out yet.
-        start, detok.ids_sent = detok.ids_sent, len(req.output_ids)
+        start, detok.ids_sent = detok.ids_sent, n
         if finished:
             req.finished_time = time.monotonic()
             self.sinks.pop(req.rid, None)
