@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from runtime.mem.allocator import TokenToKVPoolAllocator
+from runtime.mem.kv_pool import KVPool
 from runtime.mem.radix_cache import RadixCache
 from runtime.mem.req_to_token_pool import ReqToTokenPool
 from runtime.managers.req import Req
@@ -190,3 +193,43 @@ def test_a_role_keyed_tree_shares_kv_only_between_tokens_of_one_role() -> None:
     assert pool.available_size() == pool.size and cache.protected_size() == 0
     cache.evict(cache.total_size())
     assert allocator.available_size() == 256
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def _smaps_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds `address`."""
+    fields: dict[str, str] = {}
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+def test_the_cpu_kv_pool_is_zeros_per_layer_on_pages_that_may_be_huge() -> None:
+    """A CPU pool's buffers start as zeros (padding reads slot 0), each layer's its own, and
+    are mapped for 2 MB transparent huge pages where the kernel offers them: a slot's first
+    write faults once per 2 MB instead of once per 4 KB (bench/RESULTS.md item 40)."""
+    pool = KVPool(40_000, 2, 3, 64, torch.float16, "cpu")
+    buffers = [*pool.k_buffer, *pool.v_buffer]
+    assert all(b.shape == (40_001, 3, 64) and b.dtype == torch.float16 and not b.any() for b in buffers)
+    pool.set_kv(1, torch.tensor([7, 39_000]), torch.ones(2, 3, 64), torch.full((2, 3, 64), 2.0))
+    assert pool.k_buffer[1][7].eq(1).all() and pool.v_buffer[1][39_000].eq(2).all()
+    assert int(pool.k_buffer[1].count_nonzero()) == 2 * 192 and not pool.k_buffer[0].any() and not pool.v_buffer[0].any()
+    if sys.platform != "linux" or _thp_mode() not in ("always", "madvise"):
+        return  # no transparent huge pages here: 4 KB pages, as any allocation
+    for b in buffers:
+        assert b.data_ptr() % (2 << 20) == 0
+        assert _smaps_of(b.data_ptr()).get("THPeligible") == "1"

@@ -3,15 +3,32 @@
 from __future__ import annotations
 
 import math
+import mmap
 
-import numpy as np
 import torch
 
 
+_HUGE_PAGE = 2 << 20
+
+
 def _untouched_zeros(shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor whose pages the OS fills on first touch (numpy's zeros is calloc)."""
+    """A zero tensor whose pages the OS maps on first touch (an anonymous mapping), in 2 MB
+    pages where the kernel's transparent huge pages allow it (MADV_HUGEPAGE; Linux's
+    default THP mode is "madvise"). A request's KV lands on slots nobody has touched until
+    the pool has been used once around (the radix cache keeps finished requests' KV), and
+    each 4 KB page of them cost a fault on the worker thread: 1.4 s a GiB on a KVM guest,
+    ~0.35 s of a 16-stream benchmark run of 9 s; 2 MB pages: 0.06 s a GiB
+    (bench/RESULTS.md item 40)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # zero-filled; the tensor keeps it alive
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP disabled or unsupported: 4 KB pages
+            pass
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -raw.data_ptr() % _HUGE_PAGE  # the tensor on huge-page boundaries
+    return raw[start : start + nbytes].view(dtype).view(shape)
 
 
 class KVPool:
@@ -37,9 +54,9 @@ class KVPool:
         self.dtype = dtype
         shape = (size + 1, num_kv_heads, head_dim)
         # Zeros (padding reads slot 0 and a page's unwritten tail; garbage there would
-        # be NaN * 0 = NaN). On CPU they come from calloc, which maps fresh zero pages
-        # without touching them: torch.zeros memsets, which took 8.5 s of a 12 s start
-        # for the default 4 GiB pool.
+        # be NaN * 0 = NaN). On CPU they come from an anonymous mapping, fresh zero pages
+        # mapped without touching them: torch.zeros memsets, which took 8.5 s of a 12 s
+        # start for the default 4 GiB pool.
         if torch.device(device).type == "cpu":
             self.k_buffer = [_untouched_zeros(shape, dtype) for _ in range(num_layers)]
             self.v_buffer = [_untouched_zeros(shape, dtype) for _ in range(num_layers)]
