@@ -212,7 +212,7 @@ def test_the_fused_decode_stack_gives_every_decode_step_the_module_paths_bits(
     inference neither takes them for generated tokens."""
     monkeypatch.setattr(q4q8, "measured_crossovers", {})
     monkeypatch.setattr(q4q8, "measure_panels_min_rows", lambda layers, ops, repeats=2: 3)
-    engine = make_engine(dtype="auto", quantization="auto", max_running_requests=8, enable_deterministic_inference=deterministic)
+    engine = make_engine(dtype="auto", quantization="auto", max_running_requests=12, enable_deterministic_inference=deterministic)
     model, runner = engine.worker.model, engine.worker
     ops = load_cpu_ops()
     if ops is None or not ops.q4_linear_isa():  # no q4q8 linears: the module path only
@@ -249,4 +249,14 @@ def test_the_fused_decode_stack_gives_every_decode_step_the_module_paths_bits(
     assert all(same for _, same in steps), steps
     assert {size for size, _ in steps} >= {1, 2, 5}, steps
     assert sum(ran) == len(steps), "the stack must take every decode step (prefills: the module path)"
+    # 12 rows: two quantization tiles of rows (8 + 4), the norm and silu * up rows that
+    # quantize themselves (rms_norm_q4, silu_mul_q4) split over the kernels' threads.
+    steps.clear()
+    runner.forward_logits = both_ways
+    try:
+        wide = engine.generate([[2000 + 7 * i + j for j in range(16)] for i in range(12)], {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+    finally:
+        del runner.forward_logits
+    assert all(len(o["output_ids"]) == 3 for o in wide)
+    assert steps and all(size == 12 and same for size, same in steps), steps
     assert_all_memory_free(engine)

@@ -239,6 +239,10 @@ def test_the_samplers_row_reductions_are_batch_invariant() -> None:
 def test_store_kv_writes_what_the_pools_index_put_writes(cpu_ops: CpuOps, kv_dtype: torch.dtype, round_src: bool) -> None:
     torch.manual_seed(0)
     qkv = torch.randn(5, 960)
+    # Values every cast must round as torch does: float16 subnormals, past its range,
+    # halfway between two float16 values (ties to even), signed zeros.
+    qkv[0, 576:600] = torch.tensor([1e-5, -3e-7, 6e-8, 7e4, -1e5, 65520.0, 65519.0, 1 + 2**-11, 1 + 3 * 2**-11, -0.0, 0.0, 2**-25,
+                                     3e38, -2**-14, 2**-24 * 1.5, 1e-3, 2049.0, 2051.0, 4097.0, -1e-8, 0.1, -0.3, 1 / 3, 1e-4])
     before = qkv.clone()
     k, v = qkv[:, 576:768].view(5, 3, 64), qkv[:, 768:].view(5, 3, 64)  # strided views, as the model passes them
     k_in, v_in = k.clone(), v.clone()

@@ -20,7 +20,10 @@
 // (the all-reduces only under tensor parallelism: the ranks' ShmComm, the collective the
 // row-parallel modules call there), so its output has the same bits as the module path's. What it saves is the Python
 // between the kernels: ~12 module calls and ~20 tensor views per layer, ~2 ms of a
-// single stream's 7 ms step on SmolLM2's 30 layers.
+// single stream's 7 ms step on SmolLM2's 30 layers. And where a linear runs Q4 blocks,
+// the row op before it (a norm, silu_mul) quantizes each output row for it as it makes
+// it (rms_norm_q4, silu_mul_q4): one parallel pass instead of a serial norm (or a silu
+// pass) and then q4_linear's quantization pass, the same bits.
 #include <utility>
 #include <vector>
 
@@ -49,15 +52,17 @@ at::Tensor DecodeStack::forward(at::Tensor h, at::Tensor positions, at::Tensor l
   lens = lens.to(at::kLong).contiguous();
   if (token_req.has_value()) token_req = token_req->to(at::kLong).contiguous();
   at::Tensor residual;
+  // A linear's input comes from a row op (a norm, silu * up): where the linear runs Q4
+  // blocks the op quantizes its rows itself (rms_norm_q4, silu_mul_q4: the same bits as
+  // the op, then q4_linear), else it writes them for f32_linear's panels.
+  auto normed = [&](const at::Tensor& x, const at::Tensor& weight, const Linear& w) {
+    const bool first = !residual.defined();
+    if (first) residual = x;
+    if (uses_blocks(n, w)) return q4_linear_rows(rms_norm_q4(x, first ? std::nullopt : std::optional(residual), weight, eps_), w.blocks);
+    return linear(first ? rms_norm(x, weight, eps_) : add_rms_norm_(x, residual, weight, eps_), w);
+  };
   for (const Layer& layer : layers_) {
-    at::Tensor x;
-    if (!residual.defined()) {
-      residual = h;
-      x = rms_norm(h, layer.input_norm, eps_);
-    } else {
-      x = add_rms_norm_(h, residual, layer.input_norm, eps_);
-    }
-    at::Tensor qkv = linear(x, layer.qkv);
+    at::Tensor qkv = normed(h, layer.input_norm, layer.qkv);
     rotary_(qkv, positions, cos_sin_cache_, heads_ + kv_heads_, head_dim_);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({n, heads_, head_dim_});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, kv_heads_, head_dim_});
@@ -68,14 +73,18 @@ at::Tensor DecodeStack::forward(at::Tensor h, at::Tensor positions, at::Tensor l
                        : paged_decode(q, layer.k_buf, layer.v_buf, kv_idx, lens, scale_);
     h = linear(o.view({n, q_size}), layer.o);
     if (comm_ != nullptr) comm_->all_reduce_(h, comm_timeout_s_);
-    x = add_rms_norm_(h, residual, layer.post_norm, eps_);
-    h = linear(silu_mul(linear(x, layer.gate_up)), layer.down);
+    at::Tensor gate_up = normed(h, layer.post_norm, layer.gate_up);
+    h = uses_blocks(n, layer.down) ? q4_linear_rows(silu_mul_q4(gate_up), layer.down.blocks) : linear(silu_mul(gate_up), layer.down);
     if (comm_ != nullptr) comm_->all_reduce_(h, comm_timeout_s_);
   }
   if (!residual.defined()) return rms_norm(h, final_norm_, eps_);
   return add_rms_norm_(h, residual, final_norm_, eps_);
 }
 
+bool DecodeStack::uses_blocks(int64_t rows, const Linear& w) const {
+  return !(rows >= dense_min_rows_ && w.panels.numel() > 0);
+}
+
 at::Tensor DecodeStack::linear(const at::Tensor& x, const Linear& w) const {
-  return x.size(0) >= dense_min_rows_ && w.panels.numel() > 0 ? f32_linear(x, w.panels) : q4_linear(x, w.blocks);
+  return uses_blocks(x.size(0), w) ? q4_linear(x, w.blocks) : f32_linear(x, w.panels);
 }

@@ -12,6 +12,7 @@
 // depends on that row only (no cross-row reduction, no M-dependent path), so these
 // are batch-invariant by construction.
 #include "cpu_common.h"
+#include "q4_rows.h"
 #include "spin_pool.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,30 +30,34 @@ inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / st
 template <typename T>
 inline float rounded(float v) { return static_cast<float>(static_cast<T>(v)); }
 
+// One row of rms_norm_kernel: residual += x (if any); out = weight * norm. buf: H floats.
+// One compiled copy (noinline) for the row op and the fused norm-and-quantize below, so
+// both give a row the same bits.
+template <typename T>
+__attribute__((noinline)) void norm_row(const T* xr, T* res, const T* weight, T* o, int64_t H, float eps, float* buf) {
+  if (res != nullptr) {
+    for (int64_t j = 0; j < H; ++j) {
+      const T sum = static_cast<T>(static_cast<float>(xr[j]) + static_cast<float>(res[j]));
+      res[j] = sum;
+      buf[j] = static_cast<float>(sum);
+    }
+  } else {
+    for (int64_t j = 0; j < H; ++j) buf[j] = static_cast<float>(xr[j]);
+  }
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < H; ++j) ss += buf[j] * buf[j];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (int64_t j = 0; j < H; ++j) o[j] = static_cast<T>(static_cast<float>(weight[j]) * rounded<T>(buf[j] * inv));
+}
+
 template <typename T>
 void rms_norm_kernel(const T* x, int64_t x_stride, T* residual, const T* weight, T* out, int64_t rows, int64_t H,
                      float eps) {
   sluice::parallel_for(rows, grain(H), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(H);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * x_stride;
-      if (residual != nullptr) {
-        T* res = residual + r * H;
-        for (int64_t j = 0; j < H; ++j) {
-          const T sum = static_cast<T>(static_cast<float>(xr[j]) + static_cast<float>(res[j]));
-          res[j] = sum;
-          buf[j] = static_cast<float>(sum);
-        }
-      } else {
-        for (int64_t j = 0; j < H; ++j) buf[j] = static_cast<float>(xr[j]);
-      }
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < H; ++j) ss += buf[j] * buf[j];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-      T* o = out + r * H;
-      for (int64_t j = 0; j < H; ++j) o[j] = static_cast<T>(static_cast<float>(weight[j]) * rounded<T>(buf[j] * inv));
-    }
+    for (int64_t r = begin; r < end; ++r)
+      norm_row<T>(x + r * x_stride, residual == nullptr ? nullptr : residual + r * H, weight, out + r * H, H, eps, buf.data());
   });
 }
 
@@ -77,24 +82,26 @@ void rotary_kernel(T* x, int64_t stride, const int64_t* pos, const float* cache,
   });
 }
 
+// One row of silu_mul_kernel: o = silu(gate) * up. g: I floats. One compiled copy, as norm_row.
+template <typename T>
+__attribute__((noinline)) void silu_row(const T* gr, T* o, int64_t I, float* g) {
+  const T* ur = gr + I;
+  for (int64_t j = 0; j < I; ++j) g[j] = static_cast<float>(gr[j]);
+  // torch's silu: x / (1 + exp(-x)), the same vectorized exp.
+  int64_t j = 0;
+  for (; j + Vec::size() <= I; j += Vec::size()) {
+    const Vec v = Vec::loadu(g + j);
+    (v / (Vec(1.f) + v.neg().exp())).store(g + j);
+  }
+  for (; j < I; ++j) g[j] = g[j] / (1.f + std::exp(-g[j]));
+  for (int64_t k = 0; k < I; ++k) o[k] = static_cast<T>(rounded<T>(g[k]) * static_cast<float>(ur[k]));
+}
+
 template <typename T>
 void silu_mul_kernel(const T* gate_up, int64_t stride, T* out, int64_t rows, int64_t I) {
   sluice::parallel_for(rows, grain(I), [&](int64_t begin, int64_t end) {
     std::vector<float> g(I);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* gr = gate_up + r * stride;
-      const T* ur = gr + I;
-      for (int64_t j = 0; j < I; ++j) g[j] = static_cast<float>(gr[j]);
-      // torch's silu: x / (1 + exp(-x)), the same vectorized exp.
-      int64_t j = 0;
-      for (; j + Vec::size() <= I; j += Vec::size()) {
-        const Vec v = Vec::loadu(g.data() + j);
-        (v / (Vec(1.f) + v.neg().exp())).store(g.data() + j);
-      }
-      for (; j < I; ++j) g[j] = g[j] / (1.f + std::exp(-g[j]));
-      T* o = out + r * I;
-      for (int64_t k = 0; k < I; ++k) o[k] = static_cast<T>(rounded<T>(g[k]) * static_cast<float>(ur[k]));
-    }
+    for (int64_t r = begin; r < end; ++r) silu_row<T>(gate_up + r * stride, out + r * I, I, g.data());
   });
 }
 
@@ -154,19 +161,88 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   return out;
 }
 
+// The decode stack's fused layer (decode_stack.cpp): a row op whose output is a Q4 linear's
+// input hands each row to that linear's quantization as it finishes it, in one parallel
+// pass over the rows (a job per thread, not two, and no [n, K] float32 round trip). Float
+// values and quantization are norm_row's / silu_row's and q4_linear's own: the same bits as
+// the row op followed by q4_linear.
+sluice::QuantRows rms_norm_q4(at::Tensor x, std::optional<at::Tensor> residual, at::Tensor weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "x, weight: float32 (the Q4 linears' activations)");
+  const int64_t rows = x.size(0), H = x.size(1);
+  TORCH_CHECK(H % sluice::kQuantGroup == 0, "hidden size must be a multiple of 32");
+  float* res = nullptr;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() && residual->scalar_type() == at::kFloat,
+                "residual: contiguous float32, x's shape");
+    res = residual->data_ptr<float>();
+  }
+  sluice::QuantRows q = sluice::alloc_quant_rows(rows, H);
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  sluice::parallel_for(rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(H), out(H);
+    for (int64_t r = begin; r < end; ++r) {
+      norm_row<float>(xp + r * x.stride(0), res == nullptr ? nullptr : res + r * H, w, out.data(), H,
+                      static_cast<float>(eps), buf.data());
+      sluice::quantize_row(q, r, out.data());
+    }
+  });
+  return q;
+}
+
+sluice::QuantRows silu_mul_q4(at::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat, "gate_up: float32 (the Q4 linears' activations)");
+  const int64_t rows = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) % 2 == 0 && I % sluice::kQuantGroup == 0, "gate|up halves: a multiple of 32 wide");
+  sluice::QuantRows q = sluice::alloc_quant_rows(rows, I);
+  const float* gp = gate_up.data_ptr<float>();
+  sluice::parallel_for(rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(I), out(I);
+    for (int64_t r = begin; r < end; ++r) {
+      silu_row<float>(gp + r * gate_up.stride(0), out.data(), I, g.data());
+      sluice::quantize_row(q, r, out.data());
+    }
+  });
+  return q;
+}
+
 namespace {
+
+// d = s cast to D (torch's round to nearest even); with round_src, s = d cast back.
+template <typename S, typename D>
+inline void store_row(S* s, D* d, int64_t width, bool round_src) {
+  for (int64_t j = 0; j < width; ++j) d[j] = static_cast<D>(static_cast<float>(s[j]));
+  if (round_src) {
+    for (int64_t j = 0; j < width; ++j) s[j] = static_cast<S>(static_cast<float>(d[j]));
+  }
+}
+
+#if defined(__F16C__)
+// float32 -> float16, the default KV cache under a GGUF model: c10::Half's conversion is
+// scalar bit arithmetic (a 16-row decode step's K and V took 12 us a layer, 0.4 ms of
+// SmolLM2's step); vcvtps2ph rounds the same way (nearest even, float16 subnormals kept).
+template <>
+inline void store_row<float, at::Half>(float* s, at::Half* d, int64_t width, bool round_src) {
+  int64_t j = 0;
+  for (; j + 8 <= width; j += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(s + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + j), h);
+    if (round_src) _mm256_storeu_ps(s + j, _mm256_cvtph_ps(h));
+  }
+  for (; j < width; ++j) {
+    d[j] = static_cast<at::Half>(s[j]);
+    if (round_src) s[j] = static_cast<float>(d[j]);
+  }
+}
+#endif
 
 template <typename S, typename D>
 void store_rows(S* src, int64_t src_stride, D* dst, const int64_t* loc, int64_t rows, int64_t width, bool round_src) {
   sluice::parallel_for(rows, grain(width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      S* s = src + r * src_stride;
-      D* d = dst + loc[r] * width;
-      for (int64_t j = 0; j < width; ++j) d[j] = static_cast<D>(static_cast<float>(s[j]));
-      if (round_src) {
-        for (int64_t j = 0; j < width; ++j) s[j] = static_cast<S>(static_cast<float>(d[j]));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) store_row<S, D>(src + r * src_stride, dst + loc[r] * width, width, round_src);
   });
 }
 

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "q4_rows.h"
+
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_idx, at::Tensor token_req,
                            at::Tensor lens, double scale);
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor kv_idx, at::Tensor lens, double scale);
@@ -16,6 +18,10 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 void rotary_(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin_cache, int64_t heads, int64_t head_dim);
 at::Tensor silu_mul(at::Tensor gate_up);
+// rms_norm (residual: add_rms_norm_) / silu_mul with each output row quantized for
+// q4_linear_rows as it is made (float32 only): the decode stack's layer inputs.
+sluice::QuantRows rms_norm_q4(at::Tensor x, std::optional<at::Tensor> residual, at::Tensor weight, double eps);
+sluice::QuantRows silu_mul_q4(at::Tensor gate_up);
 void store_kv(at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc, at::Tensor k, at::Tensor v, bool round_src);
 at::Tensor cast(at::Tensor x, at::ScalarType dtype);
 at::Tensor argmax_rows(at::Tensor logits);
@@ -91,6 +97,7 @@ class DecodeStack {
     at::Tensor k_buf, v_buf;
   };
   at::Tensor linear(const at::Tensor& x, const Linear& w) const;
+  bool uses_blocks(int64_t rows, const Linear& w) const;  // Q4 blocks, not f32_linear's panels
 
   std::vector<Layer> layers_;
   at::Tensor final_norm_, cos_sin_cache_;

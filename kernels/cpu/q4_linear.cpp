@@ -1,5 +1,5 @@
 // y = x @ W.T with W in 4-bit blocks (llama.cpp's Q4_0/Q4_1: per row, per 32 input
-// columns, w = d * q + m with q in [0, 15]) and x quantized on the fly, per row and the
+// columns, w = d * q + m with q in [0, 15]) and x quantized on the fly (q4_quant.cpp), per row and the
 // same 32 columns, to two int8 planes: with s = max|x| / 127, t = x / s,
 //
 //   a = round(t),  b = round(256 * (t - a))   (both int8),   x ~= u * (256 a + b),  u = s / 256
@@ -50,6 +50,7 @@
 #include <memory>
 #include <string>
 
+#include "q4_rows.h"
 #include "spin_pool.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -62,103 +63,20 @@
 namespace {
 
 constexpr int64_t kLanes = 16;
-constexpr int64_t kGroup = 32;
+constexpr int64_t kGroup = sluice::kQuantGroup;
 constexpr int64_t kRecord = 320;  // bytes per (block, group): 256 of codes, 32 of d, 32 of m
 constexpr int64_t kRecord8 = 576;  // Q8: 512 of codes (q + 128), 64 of d (float32); m = -128 d is not stored
 constexpr int64_t kPrefetchAhead = 4096;  // one page: past where the hardware streamer stops
 
-constexpr int64_t kTileRows = 8;  // rows of x a block_tile takes at most (VNNI: 24 of 32 zmm hold its sums)
+constexpr int64_t kTileRows = sluice::kQuantTileRows;  // (VNNI: 24 of 32 zmm hold a tile's sums)
 #if defined(Q4_AVX2)
 constexpr bool kWideQ8 = true;  // the Q8 records' AVX2 path reads x16 (q8_dots)
 #else
 constexpr bool kWideQ8 = false;
 #endif
 
-// x as two int8 planes a, b, laid out for the tiles. Tile t holds rows 8t .. 8t + h - 1
-// (h = 8, or what is left of M in the last tile); its group g, column quad c (columns
-// 4c .. 4c + 3 of the group) and row r hold 8 bytes, a's 4 codes then b's, at
-//   64 * (8t * G + g * h) + 8 * (h * c + r),
-// and its u, u * (256 sum a + sum b) at 8t * G + g * h + r. So every activation a tile's
-// inner loop broadcasts sits at a compile-time offset (h is the tile's R) from one pointer
-// per group; the row-major planes needed a pointer per row, which spilled registers. A
-// one-row tile reads one cache line of activations per group.
-struct QuantRows {
-  std::unique_ptr<int8_t[]> x;
-  std::unique_ptr<float[]> u, usum;
-  int64_t M, G;
-  // The same values as int16 256 a + b, row-major [M, K] (the Q8 records' AVX2 form only).
-  std::unique_ptr<int16_t[]> x16;
-  int64_t height(int64_t row) const { return std::min(kTileRows, M - row / kTileRows * kTileRows); }
-  int64_t at(int64_t row, int64_t g) const {  // u[at], usum[at]
-    return row / kTileRows * kTileRows * G + g * height(row) + row % kTileRows;
-  }
-  int64_t quads(int64_t row, int64_t g) const {  // x[quads + 8 h c]: row's a codes of quad c, then its b codes
-    return 64 * (at(row, g) - row % kTileRows) + 8 * (row % kTileRows);
-  }
-};
-
-// One group of 32 values -> its two planes a, b (32 codes each); returns u and sets usum.
-// The vector and the scalar forms perform the same float operations, so they give the same bits.
-inline float quantize_group(const float* v, int8_t* a, int8_t* b, float& usum) {
-#if defined(Q4_VNNI)
-  const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // half to even, as nearbyint
-  __m512i sum = _mm512_setzero_si512();
-  for (int h = 0; h < 2; ++h) {
-    const __m512 scaled = _mm512_mul_ps(h ? v1 : v0, inv);
-    const __m512 hi = _mm512_roundscale_ps(scaled, kNearest);
-    const __m512 lo = _mm512_min_ps(
-        _mm512_roundscale_ps(_mm512_mul_ps(_mm512_set1_ps(256.f), _mm512_sub_ps(scaled, hi)), kNearest),
-        _mm512_set1_ps(127.f));
-    const __m512i hi_i = _mm512_cvtps_epi32(hi), lo_i = _mm512_cvtps_epi32(lo);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + 16 * h), _mm512_cvtepi32_epi8(hi_i));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(b + 16 * h), _mm512_cvtepi32_epi8(lo_i));
-    sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_slli_epi32(hi_i, 8), lo_i));
-  }
-  const int32_t total = _mm512_reduce_add_epi32(sum);
-#else
-  float amax = 0.f;
-  for (int64_t t = 0; t < kGroup; ++t) amax = std::max(amax, std::fabs(v[t]));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  int32_t total = 0;
-  for (int64_t t = 0; t < kGroup; ++t) {
-    const float scaled = v[t] * inv;
-    const float hi = std::nearbyint(scaled);  // round half to even
-    // scaled - hi is exact and in [-1/2, 1/2]: b in [-128, 128], 128 clamped
-    const float lo = std::min(std::nearbyint(256.f * (scaled - hi)), 127.f);
-    a[t] = static_cast<int8_t>(hi);
-    b[t] = static_cast<int8_t>(lo);
-    total += 256 * static_cast<int32_t>(hi) + static_cast<int32_t>(lo);
-  }
-#endif
-  const float u = amax / 127.f / 256.f;
-  usum = u * static_cast<float>(total);
-  return u;
-}
-
-QuantRows quantize_rows(const float* x, int64_t M, int64_t K, bool wide) {
-  const int64_t G = K / kGroup;
-  QuantRows q{std::unique_ptr<int8_t[]>(new int8_t[M * G * 64]), std::unique_ptr<float[]>(new float[M * G]),
-              std::unique_ptr<float[]>(new float[M * G]), M, G,
-              std::unique_ptr<int16_t[]>(wide ? new int16_t[M * K] : nullptr)};
-  sluice::parallel_for(M * G, 64, [&](int64_t begin, int64_t end) {
-    int8_t a[kGroup], b[kGroup];
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = i / G, g = i % G, at = q.at(row, g);
-      q.u[at] = quantize_group(x + row * K + g * kGroup, a, b, q.usum[at]);
-      int8_t* dst = q.x.get() + q.quads(row, g);
-      const int64_t h = q.height(row);
-      for (int c = 0; c < 8; ++c) {
-        std::memcpy(dst + 8 * h * c, a + 4 * c, 4);
-        std::memcpy(dst + 8 * h * c + 4, b + 4 * c, 4);
-      }
-      for (int64_t t = 0; wide && t < kGroup; ++t) q.x16[row * K + g * kGroup + t] = static_cast<int16_t>(256 * a[t] + b[t]);
-    }
-  });
-  return q;
-}
+using sluice::QuantRows;
+using sluice::quantize_rows;
 
 #if defined(Q4_VNNI)
 // acc += codes (64 unsigned bytes) . the 4 signed bytes at x4, broadcast to every lane. An
@@ -386,17 +304,19 @@ std::string q4_linear_isa() {
 namespace {
 
 template <bool Q8>
-at::Tensor block_linear(at::Tensor x, at::Tensor packed) {
-  const int64_t record = Q8 ? kRecord8 : kRecord;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: float32 [M, K]");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == record &&
+void check_packed(const at::Tensor& packed, int64_t K) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == (Q8 ? kRecord8 : kRecord) &&
                   packed.is_contiguous(),
               Q8 ? "packed: uint8 [N / 16, K / 32, 576] (q8.pack_q8_vnni)" : "packed: uint8 [N / 16, K / 32, 320] (pack_q4)");
-  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), N = blocks * kLanes;
   TORCH_CHECK(packed.size(1) * kGroup == K, "packed's K must be x's");
-  x = x.contiguous();
-  auto y = at::empty({M, N}, x.options());
-  const QuantRows q = quantize_rows(x.data_ptr<float>(), M, K, Q8 && kWideQ8);
+}
+
+// y = x @ W.T from x's quantized rows.
+template <bool Q8>
+at::Tensor block_linear_rows(const QuantRows& q, const at::Tensor& packed, const at::TensorOptions& options) {
+  const int64_t record = Q8 ? kRecord8 : kRecord;
+  const int64_t M = q.M, K = q.G * kGroup, blocks = packed.size(0), N = blocks * kLanes;
+  auto y = at::empty({M, N}, options);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   // Each thread takes whole 16-row blocks; within one, tiles of 8 rows re-read its records
@@ -423,8 +343,22 @@ at::Tensor block_linear(at::Tensor x, at::Tensor packed) {
   return y;
 }
 
+template <bool Q8>
+at::Tensor block_linear(at::Tensor x, at::Tensor packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: float32 [M, K]");
+  check_packed<Q8>(packed, x.size(1));
+  x = x.contiguous();
+  const QuantRows q = quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), Q8 && kWideQ8);
+  return block_linear_rows<Q8>(q, packed, x.options());
+}
+
 }  // namespace
 
 at::Tensor q4_linear(at::Tensor x, at::Tensor packed) { return block_linear<false>(x, packed); }
+
+at::Tensor q4_linear_rows(const sluice::QuantRows& x, const at::Tensor& packed) {
+  check_packed<false>(packed, x.G * kGroup);
+  return block_linear_rows<false>(x, packed, at::TensorOptions().dtype(at::kFloat));
+}
 
 at::Tensor q8_linear_vnni(at::Tensor x, at::Tensor packed) { return block_linear<true>(x, packed); }
