@@ -320,7 +320,7 @@ at::Tensor block_linear_rows(const QuantRows& q, const at::Tensor& packed, const
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   // Each thread takes whole 16-row blocks; within one, tiles of 8 rows re-read its records
-  // from L1/L2 (K = 1536: 15 KB).
+  // from L1/L2 (K = 1536: 15 KB). The LM head (Q8) in 32 pieces a thread: SpinPool::run.
   sluice::parallel_for(blocks, 2, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* rec = pp + b * (K / kGroup) * record;
@@ -339,7 +339,7 @@ at::Tensor block_linear_rows(const QuantRows& q, const at::Tensor& packed, const
         default: break;
       }
     }
-  });
+  }, Q8 ? 32 : 1);
   return y;
 }
 
