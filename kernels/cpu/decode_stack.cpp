@@ -7,7 +7,7 @@
 //
 //   x = rms_norm(h) (layer 0) | add_rms_norm_(h, residual)      residual += h, in place
 //   qkv = linear(x, qkv); rotary_(qkv, q and k heads)
-//   store_kv(k, v at loc); o = paged_decode(q, the pool, kv_idx, lens)
+//   store_kv(k, v at loc) (with rotary_: rope_store_kv, one pass); o = paged_decode(q, the pool, kv_idx, lens)
 //       (with token_req: paged_attention(q, the pool, kv_idx, token_req, lens), the
 //        per-query order of deterministic inference)
 //   h = linear(o, o_proj) [+ all-reduce]; x = add_rms_norm_(h, residual)
@@ -45,7 +45,7 @@ DecodeStack::DecodeStack(const std::vector<at::Tensor>& per_layer, at::Tensor fi
 at::Tensor DecodeStack::forward(at::Tensor h, at::Tensor positions, at::Tensor loc, at::Tensor kv_idx, at::Tensor lens,
                                 std::optional<at::Tensor> token_req) const {
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h: float32 [n, hidden], contiguous");
-  const int64_t n = h.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+  const int64_t n = h.size(0), q_size = heads_ * head_dim_;
   positions = positions.to(at::kLong).contiguous();
   loc = loc.to(at::kLong).contiguous();
   kv_idx = kv_idx.to(at::kLong).contiguous();
@@ -63,11 +63,8 @@ at::Tensor DecodeStack::forward(at::Tensor h, at::Tensor positions, at::Tensor l
   };
   for (const Layer& layer : layers_) {
     at::Tensor qkv = normed(h, layer.input_norm, layer.qkv);
-    rotary_(qkv, positions, cos_sin_cache_, heads_ + kv_heads_, head_dim_);
+    rope_store_kv(qkv, positions, cos_sin_cache_, heads_, kv_heads_, head_dim_, layer.k_buf, layer.v_buf, loc);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({n, heads_, head_dim_});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, kv_heads_, head_dim_});
-    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads_, head_dim_});
-    store_kv(layer.k_buf, layer.v_buf, loc, k, v, false);
     at::Tensor o = token_req.has_value()
                        ? paged_attention(q, layer.k_buf, layer.v_buf, kv_idx, *token_req, lens, scale_)
                        : paged_decode(q, layer.k_buf, layer.v_buf, kv_idx, lens, scale_);

@@ -61,24 +61,30 @@ void rms_norm_kernel(const T* x, int64_t x_stride, T* residual, const T* weight,
   });
 }
 
+// RoPE on the first `heads` heads of one row at position pos, in place. One compiled copy
+// (noinline) for rotary_ and rope_store_kv: a*cos - b*sin may contract to an fma, the
+// same way in both.
+template <typename T>
+__attribute__((noinline)) void rotate_row(T* row, int64_t pos, const float* cache, int64_t heads, int64_t D) {
+  const int64_t half = D / 2;
+  const float* cos = cache + pos * D;  // the cache row is [cos | sin]
+  const float* sin = cos + half;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* x1 = row + h * D;
+    T* x2 = x1 + half;
+#pragma omp simd
+    for (int64_t j = 0; j < half; ++j) {
+      const float a = static_cast<float>(x1[j]), b = static_cast<float>(x2[j]);
+      x1[j] = static_cast<T>(a * cos[j] - b * sin[j]);
+      x2[j] = static_cast<T>(b * cos[j] + a * sin[j]);
+    }
+  }
+}
+
 template <typename T>
 void rotary_kernel(T* x, int64_t stride, const int64_t* pos, const float* cache, int64_t rows, int64_t heads, int64_t D) {
-  const int64_t half = D / 2;
   sluice::parallel_for(rows, grain(heads * D), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* cos = cache + pos[t] * D;  // the cache row is [cos | sin]
-      const float* sin = cos + half;
-      for (int64_t h = 0; h < heads; ++h) {
-        T* x1 = x + t * stride + h * D;
-        T* x2 = x1 + half;
-#pragma omp simd
-        for (int64_t j = 0; j < half; ++j) {
-          const float a = static_cast<float>(x1[j]), b = static_cast<float>(x2[j]);
-          x1[j] = static_cast<T>(a * cos[j] - b * sin[j]);
-          x2[j] = static_cast<T>(b * cos[j] + a * sin[j]);
-        }
-      }
-    }
+    for (int64_t t = begin; t < end; ++t) rotate_row<T>(x + t * stride, pos[t], cache, heads, D);
   });
 }
 
@@ -272,6 +278,41 @@ void store_kv(at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc, at::Tensor k, 
   TORCH_CHECK(idx.numel() == k.size(0) && idx.numel() == v.size(0), "one slot per token");
   store_one(k, k_buf, idx, round_src);
   store_one(v, v_buf, idx, round_src);
+}
+
+// rotary_ then store_kv of a decode batch's fused qkv rows (float32: q heads, k heads, v
+// heads), a row at a time in one parallel pass: the decode stack's step between its qkv
+// linear and attention (rotate_row and store_row: the same bits as the two ops).
+void rope_store_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin_cache, int64_t q_heads, int64_t kv_heads,
+                   int64_t head_dim, at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc) {
+  check_rows(qkv, "qkv");
+  const int64_t rows = qkv.size(0), q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.size(1) == q_size + 2 * kv_size, "qkv: float32 [n, q | k | v]");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous() &&
+                  cos_sin_cache.size(1) == head_dim, "cos_sin_cache: float32 [positions, head_dim]");
+  TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type() && k_buf.is_contiguous() && v_buf.is_contiguous() &&
+                  k_buf.size(1) * k_buf.size(2) == kv_size && v_buf.size(1) * v_buf.size(2) == kv_size,
+              "K, V buffers: [slots, kv_heads, head_dim], one dtype");
+  auto pos = positions.to(at::kLong).contiguous();
+  auto idx = loc.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == rows && idx.numel() == rows, "one position and one slot per row");
+  float* x = qkv.data_ptr<float>();
+  const int64_t stride = qkv.stride(0);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const float* cache = cos_sin_cache.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_buf.scalar_type(), "rope_store_kv", [&] {
+    scalar_t* kb = k_buf.data_ptr<scalar_t>();
+    scalar_t* vb = v_buf.data_ptr<scalar_t>();
+    sluice::parallel_for(rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        float* row = x + r * stride;
+        rotate_row<float>(row, pp[r], cache, q_heads + kv_heads, head_dim);
+        store_row<float, scalar_t>(row + q_size, kb + ip[r] * kv_size, kv_size, false);
+        store_row<float, scalar_t>(row + q_size + kv_size, vb + ip[r] * kv_size, kv_size, false);
+      }
+    });
+  });
 }
 
 // x cast to dtype (float32 <-> bfloat16 / float16, torch's round-to-nearest-even) on the

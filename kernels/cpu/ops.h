@@ -22,6 +22,8 @@ at::Tensor silu_mul(at::Tensor gate_up);
 // q4_linear_rows as it is made (float32 only): the decode stack's layer inputs.
 sluice::QuantRows rms_norm_q4(at::Tensor x, std::optional<at::Tensor> residual, at::Tensor weight, double eps);
 sluice::QuantRows silu_mul_q4(at::Tensor gate_up);
+void rope_store_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin_cache, int64_t q_heads, int64_t kv_heads,
+                   int64_t head_dim, at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc);
 void store_kv(at::Tensor k_buf, at::Tensor v_buf, at::Tensor loc, at::Tensor k, at::Tensor v, bool round_src);
 at::Tensor cast(at::Tensor x, at::ScalarType dtype);
 at::Tensor argmax_rows(at::Tensor logits);
