@@ -16,9 +16,9 @@ def _untouched_zeros(shape: tuple[int, int, int], dtype: torch.dtype) -> torch.T
     pages where the kernel's transparent huge pages allow it (MADV_HUGEPAGE; Linux's
     default THP mode is "madvise"). A request's KV lands on slots nobody has touched until
     the pool has been used once around (the radix cache keeps finished requests' KV), and
-    each 4 KB page of them cost a fault on the worker thread: 1.4 s a GiB on a KVM guest,
-    ~0.35 s of a 16-stream benchmark run of 9 s; 2 MB pages: 0.06 s a GiB
-    (bench/RESULTS.md item 40)."""
+    each 4 KB page of them cost a fault on the worker thread: 0.8-1.4 s a GiB on a KVM
+    guest, a served 16-row decode step's KV write 1.15 ms instead of ~0.4; 2 MB pages:
+    0.05-0.06 s a GiB (bench/RESULTS.md item 40)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # zero-filled; the tensor keeps it alive
     if hasattr(mmap, "MADV_HUGEPAGE"):
