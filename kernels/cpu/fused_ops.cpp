@@ -172,11 +172,30 @@ at::Tensor silu_mul(at::Tensor gate_up) {
 // pass over the rows (a job per thread, not two, and no [n, K] float32 round trip). Float
 // values and quantization are norm_row's / silu_row's and q4_linear's own: the same bits as
 // the row op followed by q4_linear.
+namespace {
+
+// rows x K values quantized for q4_linear_rows, row r made by fill(r, out, scratch) (K floats
+// each) and quantized at once, in one parallel pass over the rows.
+template <typename Fill>
+sluice::QuantRows quantized_rows(int64_t rows, int64_t K, const Fill& fill) {
+  sluice::QuantRows q = sluice::alloc_quant_rows(rows, K);
+  sluice::parallel_for(rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> out(K), scratch(K);
+    for (int64_t r = begin; r < end; ++r) {
+      fill(r, out.data(), scratch.data());
+      sluice::quantize_row(q, r, out.data());
+    }
+  });
+  return q;
+}
+
+}  // namespace
+
 sluice::QuantRows rms_norm_q4(at::Tensor x, std::optional<at::Tensor> residual, at::Tensor weight, double eps) {
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
               "x, weight: float32 (the Q4 linears' activations)");
-  const int64_t rows = x.size(0), H = x.size(1);
+  const int64_t H = x.size(1);
   TORCH_CHECK(H % sluice::kQuantGroup == 0, "hidden size must be a multiple of 32");
   float* res = nullptr;
   if (residual.has_value()) {
@@ -184,35 +203,22 @@ sluice::QuantRows rms_norm_q4(at::Tensor x, std::optional<at::Tensor> residual, 
                 "residual: contiguous float32, x's shape");
     res = residual->data_ptr<float>();
   }
-  sluice::QuantRows q = sluice::alloc_quant_rows(rows, H);
   const float* xp = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
-  sluice::parallel_for(rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(H), out(H);
-    for (int64_t r = begin; r < end; ++r) {
-      norm_row<float>(xp + r * x.stride(0), res == nullptr ? nullptr : res + r * H, w, out.data(), H,
-                      static_cast<float>(eps), buf.data());
-      sluice::quantize_row(q, r, out.data());
-    }
+  const int64_t stride = x.stride(0);
+  return quantized_rows(x.size(0), H, [&](int64_t r, float* out, float* buf) {
+    norm_row<float>(xp + r * stride, res == nullptr ? nullptr : res + r * H, w, out, H, static_cast<float>(eps), buf);
   });
-  return q;
 }
 
 sluice::QuantRows silu_mul_q4(at::Tensor gate_up) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.scalar_type() == at::kFloat, "gate_up: float32 (the Q4 linears' activations)");
-  const int64_t rows = gate_up.size(0), I = gate_up.size(1) / 2;
+  const int64_t I = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) % 2 == 0 && I % sluice::kQuantGroup == 0, "gate|up halves: a multiple of 32 wide");
-  sluice::QuantRows q = sluice::alloc_quant_rows(rows, I);
   const float* gp = gate_up.data_ptr<float>();
-  sluice::parallel_for(rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> g(I), out(I);
-    for (int64_t r = begin; r < end; ++r) {
-      silu_row<float>(gp + r * gate_up.stride(0), out.data(), I, g.data());
-      sluice::quantize_row(q, r, out.data());
-    }
-  });
-  return q;
+  const int64_t stride = gate_up.stride(0);
+  return quantized_rows(gate_up.size(0), I, [&](int64_t r, float* out, float* g) { silu_row<float>(gp + r * stride, out, I, g); });
 }
 
 namespace {

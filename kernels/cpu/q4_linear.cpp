@@ -50,15 +50,8 @@
 #include <memory>
 #include <string>
 
-#include "q4_rows.h"
+#include "q4_rows.h"  // Q4_VNNI / Q4_AVX2
 #include "spin_pool.h"
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
-#define Q4_VNNI 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define Q4_AVX2 1
-#endif
 
 namespace {
 

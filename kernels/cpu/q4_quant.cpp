@@ -8,12 +8,8 @@
 #include <cstring>
 #include <memory>
 
-#include "q4_rows.h"
+#include "q4_rows.h"  // Q4_VNNI
 #include "spin_pool.h"
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
-#define Q4_VNNI 1  // q4_linear.cpp's condition: its vector form where the kernels have it
-#endif
 
 namespace sluice {
 
@@ -98,6 +94,5 @@ QuantRows alloc_quant_rows(int64_t M, int64_t K, bool wide) {
 void quantize_row(QuantRows& q, int64_t row, const float* x) {
   for (int64_t g = 0; g < q.G; ++g) store_group(q, row, g, x + g * kGroup);
 }
-
 
 }  // namespace sluice

@@ -9,6 +9,16 @@
 #include <cstdint>
 #include <memory>
 
+// Which vector form the Q4/Q8 block kernels (q4_linear.cpp) and the activations'
+// quantization (q4_quant.cpp) are built in: the -march=native compiler's own macros.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define Q4_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define Q4_AVX2 1
+#endif
+
 namespace sluice {
 
 constexpr int64_t kQuantGroup = 32;     // columns of x per scale (a Q4/Q8 block's)
