@@ -28,8 +28,12 @@ class TokenToKVPoolAllocator:
         return int(self.free_pages.numel()) * self.page_size
 
     def _merge(self) -> None:
+        # Released pages go to the front: they held KV, so their memory is mapped and
+        # warm, while the never-used tail of the pool faults on first touch (a huge
+        # page of fresh guest memory costs ~2-6 ms to map, bench/RESULTS.md item 41).
+        # Invariant: pages never handed out stay an ascending run at the back.
         if self._released:
-            self.free_pages = torch.cat([self.free_pages, *self._released])
+            self.free_pages = torch.cat([*reversed(self._released), self.free_pages])
             self._released = []
 
     def _take_pages(self, n: int) -> torch.Tensor | None:

@@ -11,23 +11,30 @@ import torch
 _HUGE_PAGE = 2 << 20
 
 
-def _untouched_zeros(shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
+def _untouched_zeros(shape: tuple[int, int, int], dtype: torch.dtype, phase: int = 0) -> torch.Tensor:
     """A zero tensor whose pages the OS maps on first touch (an anonymous mapping), in 2 MB
     pages where the kernel's transparent huge pages allow it (MADV_HUGEPAGE; Linux's
     default THP mode is "madvise"). A request's KV lands on slots nobody has touched until
     the pool has been used once around (the radix cache keeps finished requests' KV), and
     each 4 KB page of them cost a fault on the worker thread: 0.8-1.4 s a GiB on a KVM
     guest, a served 16-row decode step's KV write 1.15 ms instead of ~0.4; 2 MB pages:
-    0.05-0.06 s a GiB (bench/RESULTS.md item 40)."""
+    0.05-0.06 s a GiB (bench/RESULTS.md item 40), but 3-6 ms a page where the host has
+    not backed the guest's memory yet (item 41).
+
+    The tensor starts `phase` bytes past a huge-page boundary: buffers of different phases
+    cross into their next huge page at different slots, so a decode step that reaches
+    fresh slots faults one or two pages, not one per buffer (60 at once for SmolLM2:
+    a 200-420 ms step)."""
+    assert 0 <= phase < _HUGE_PAGE
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # zero-filled; the tensor keeps it alive
+    mapping = mmap.mmap(-1, nbytes + 2 * _HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # zero-filled; the tensor keeps it alive
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mapping.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # THP disabled or unsupported: 4 KB pages
             pass
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
-    start = -raw.data_ptr() % _HUGE_PAGE  # the tensor on huge-page boundaries
+    start = -raw.data_ptr() % _HUGE_PAGE + phase  # a huge-page boundary, then the phase
     return raw[start : start + nbytes].view(dtype).view(shape)
 
 
@@ -58,8 +65,11 @@ class KVPool:
         # mapped without touching them: torch.zeros memsets, which took 8.5 s of a 12 s
         # start for the default 4 GiB pool.
         if torch.device(device).type == "cpu":
-            self.k_buffer = [_untouched_zeros(shape, dtype) for _ in range(num_layers)]
-            self.v_buffer = [_untouched_zeros(shape, dtype) for _ in range(num_layers)]
+            # Buffer b's phase is b/(2L) of a huge page (4 KB-aligned): their fresh-page
+            # faults spread evenly over the slots instead of all landing on one step.
+            phases = [(b * _HUGE_PAGE // (2 * num_layers)) & ~4095 for b in range(2 * num_layers)]
+            self.k_buffer = [_untouched_zeros(shape, dtype, phases[2 * i]) for i in range(num_layers)]
+            self.v_buffer = [_untouched_zeros(shape, dtype, phases[2 * i + 1]) for i in range(num_layers)]
         else:
             self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
