@@ -73,7 +73,8 @@ class TorchNativeBackend:
         device = fb.input_ids.device
         prefix, ext = fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu
         kv_idx = fb.req_to_token[fb.req_pool_indices, : max(fb.seq_lens_cpu)].to(torch.int64)
-        token_req = torch.repeat_interleave(torch.arange(len(ext), device=device), torch.tensor(ext, device=device))
+        # From a host list: torch.repeat_interleave took ~160 us of a 16-row decode step's ~280.
+        token_req = torch.tensor([i for i, n in enumerate(ext) for _ in range(n)], dtype=torch.int64, device=device)
         lens = torch.tensor([p + j + 1 for p, n in zip(prefix, ext) for j in range(n)], dtype=torch.int64, device=device)
         self._per_query = _PerQueryPlan(kv_idx, token_req, lens)
 
