@@ -255,3 +255,41 @@ def test_the_cpu_kv_pool_is_zeros_per_layer_on_pages_that_may_be_huge() -> None:
         return  # no transparent huge pages here: 4 KB pages, as any allocation
     for b in buffers:
         assert _smaps_of(b.data_ptr()).get("THPeligible") == "1"
+
+
+def _resident(t: torch.Tensor, begin: int, end: int) -> float:
+    """The fraction of slots [begin, end)'s 4 KB pages that are mapped (mincore)."""
+    import ctypes
+
+    row = t.stride(0) * t.element_size()
+    lo, hi = (t.data_ptr() + begin * row) & ~4095, t.data_ptr() + end * row
+    pages = (hi - lo + 4095) // 4096
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) / pages
+
+
+def test_a_cpu_kv_pool_maps_its_pages_ahead_of_the_slots_written_keeping_their_contents() -> None:
+    """A fresh pool's pages are mapped by a background thread a stretch ahead of the highest
+    slot a forward writes, so the worker does not take their first-touch faults (a fresh
+    2 MB page cost 3-6 ms on a KVM guest: bench/RESULTS.md item 41); the mapping never
+    changes what the slots hold."""
+    if sys.platform != "linux":
+        pytest.skip("MADV_POPULATE_WRITE is Linux's")
+    pool = KVPool(40_000, 30, 3, 64, torch.float16, "cpu")  # SmolLM2's rows: 15 MB a buffer
+    pf = pool.prefaulter
+    assert pf is not None and pf.wait_idle(timeout=60)
+    if pf.stopped:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    buffers = [*pool.k_buffer, *pool.v_buffer]
+    first = pf.mapped
+    assert 0 < first < 20_000 and all(_resident(b, 0, first) == 1.0 for b in buffers)
+    assert all(_resident(b, first + 4096, 40_001) < 0.5 for b in buffers)  # not the whole pool
+    loc = torch.tensor([7, 20_000])
+    pool.set_kv(1, loc, torch.ones(2, 3, 64), torch.full((2, 3, 64), 2.0))
+    pool.note_written(loc)
+    assert pf.wait_idle(timeout=60) and pf.mapped == min(40_001, 20_001 + pf.ahead)
+    assert all(_resident(b, 0, pf.mapped) == 1.0 for b in buffers)
+    assert pool.k_buffer[1][7].eq(1).all() and pool.v_buffer[1][20_000].eq(2).all()
+    assert int(pool.k_buffer[1].count_nonzero()) == 2 * 192 and not pool.k_buffer[0].any()

@@ -7,6 +7,8 @@ import mmap
 
 import torch
 
+from runtime.mem.kv_prefault import KVPrefaulter
+
 
 _HUGE_PAGE = 2 << 20
 
@@ -70,9 +72,21 @@ class KVPool:
             phases = [(b * _HUGE_PAGE // (2 * num_layers)) & ~4095 for b in range(2 * num_layers)]
             self.k_buffer = [_untouched_zeros(shape, dtype, phases[2 * i]) for i in range(num_layers)]
             self.v_buffer = [_untouched_zeros(shape, dtype, phases[2 * i + 1]) for i in range(num_layers)]
+            row = num_kv_heads * head_dim * self.k_buffer[0].element_size()
+            self.prefaulter: KVPrefaulter | None = KVPrefaulter(self, 2 * num_layers, row)
         else:
             self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.prefaulter = None
+
+    def buffer_spans(self) -> list[tuple[int, int]]:
+        """(start address, bytes per slot) of every buffer, in slot-major fault order."""
+        return [(b.data_ptr(), b.stride(0) * b.element_size()) for pair in zip(self.k_buffer, self.v_buffer) for b in pair]
+
+    def note_written(self, loc: torch.Tensor) -> None:
+        """A forward is about to write KV at `loc` (host slots): map the pages past it early."""
+        if self.prefaulter is not None and loc.numel():
+            self.prefaulter.note_written(int(loc.max()))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

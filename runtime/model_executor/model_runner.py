@@ -119,6 +119,7 @@ class ModelRunner:
         """The ForwardBatch of `mwb` with its input ids resolved; writes the batch's
         req_to_token entries into this rank's copy first."""
         dev = self.device
+        self.kv_pool.note_written(mwb.out_cache_loc)  # host slots (CPU pools map ahead of them)
         out_cache_loc = self._upload(mwb.out_cache_loc)
         write_req_to_token(self.req_to_token, mwb, out_cache_loc, self._upload)
         prefix = self._upload(mwb.extend_prefix_lens)
