@@ -30,7 +30,7 @@ class TokenToKVPoolAllocator:
     def _merge(self) -> None:
         # Released pages go to the front: they held KV, so their memory is mapped and
         # warm, while the never-used tail of the pool faults on first touch (a huge
-        # page of fresh guest memory costs ~2-6 ms to map, bench/RESULTS.md item 41).
+        # page of fresh guest memory cost 3-6 ms to map on a KVM guest, bench/RESULTS.md item 41).
         # Invariant: pages never handed out stay an ascending run at the back.
         if self._released:
             self.free_pages = torch.cat([*reversed(self._released), self.free_pages])
