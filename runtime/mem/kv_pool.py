@@ -72,8 +72,7 @@ class KVPool:
             phases = [(b * _HUGE_PAGE // (2 * num_layers)) & ~4095 for b in range(2 * num_layers)]
             self.k_buffer = [_untouched_zeros(shape, dtype, phases[2 * i]) for i in range(num_layers)]
             self.v_buffer = [_untouched_zeros(shape, dtype, phases[2 * i + 1]) for i in range(num_layers)]
-            row = num_kv_heads * head_dim * self.k_buffer[0].element_size()
-            self.prefaulter: KVPrefaulter | None = KVPrefaulter(self, 2 * num_layers, row)
+            self.prefaulter: KVPrefaulter | None = KVPrefaulter(self)
         else:
             self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -59,9 +59,11 @@ class KVPrefaulter:
     Invariant: `mapped` only grows, and every buffer's bytes of slots [0, mapped) have been
     populated (or the prefaulter has stopped for good: `stopped`)."""
 
-    def __init__(self, pool: PrefaultedPool, buffers: int, row_bytes: int) -> None:
+    def __init__(self, pool: PrefaultedPool) -> None:
+        spans = pool.buffer_spans()
+        row_bytes = spans[0][1]  # every buffer's: [slots, kv_heads, head_dim] of one dtype
         self.size = pool.size
-        self.ahead = max(_CHUNK_BYTES // row_bytes, _AHEAD_BYTES // (buffers * row_bytes))
+        self.ahead = max(_CHUNK_BYTES // row_bytes, _AHEAD_BYTES // (len(spans) * row_bytes))
         self.chunk = max(1, _CHUNK_BYTES // row_bytes)
         self.mapped = 0
         self.target = min(self.size, self.ahead)  # a start-up's idle core maps the first stretch
