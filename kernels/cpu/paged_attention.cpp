@@ -121,10 +121,78 @@ void v_sums(const float* e, int64_t span, const float* const* vrows, int64_t off
   for (int64_t a = 0; a < heads * dv; ++a) acc[a].store(out + a * Vec::size());
 }
 
+// One (query, head)'s scores over a K tile of 16 positions (kh: [D][16], transposed):
+// lane r's fma chain over channel groups j = 0 .. D/16 - 1 of q[16 j + r] * k[16 j + r]
+// (positions across the vector), added to lane r + 8's as both finish (the tree's first
+// level), then the tree's last three levels (sum8_lanes). The chains of kRBlock lanes run
+// side by side: one lane's 2 chains at a time left each FMA waiting on the one before it
+// (a 16 x 128 prefill's pass 1 ran at ~30% of the FMA rate). kDV > 0: D / 16 fixed at
+// compile time. The same operations in the same order per chain: the same bits.
+template <int64_t kDV>
+inline void tile_scores(const float* qd, const float* kh, float* dst, int64_t width, int64_t dv_ = 0) {
+  constexpr int64_t kVecs = kTile / Vec::size();
+  constexpr int64_t kHalf = sluice::kScoreLanes / 2;
+  constexpr int64_t kRBlock = Vec::size() == 16 ? kHalf : kHalf / 2;  // 2 kRBlock sums in registers
+  const int64_t dv = kDV > 0 ? kDV : dv_;
+  for (int64_t v = 0; v < kVecs; ++v) {
+    Vec lane[kHalf];
+    for (int64_t r0 = 0; r0 < kHalf; r0 += kRBlock) {
+      Vec lo[kRBlock], hi[kRBlock];
+      for (int64_t r = 0; r < kRBlock; ++r) lo[r] = hi[r] = Vec(0.f);
+      for (int64_t j = 0; j < dv; ++j) {
+        for (int64_t r = 0; r < kRBlock; ++r) {
+          const int64_t c = sluice::kScoreLanes * j + r0 + r;
+          const float* kc = kh + c * kTile + v * Vec::size();
+          lo[r] = at::vec::fmadd(Vec(qd[c]), Vec::loadu(kc), lo[r]);
+          hi[r] = at::vec::fmadd(Vec(qd[c + kHalf]), Vec::loadu(kc + kHalf * kTile), hi[r]);
+        }
+      }
+      for (int64_t r = 0; r < kRBlock; ++r) lane[r0 + r] = lo[r] + hi[r];
+    }
+    sluice::sum8_lanes(lane);
+    const int64_t p = v * Vec::size();  // (a masked store: std::copy of a few floats became `rep movs`)
+    if (p < width) lane[0].store(dst + p, std::min<int64_t>(Vec::size(), width - p));
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// tile_scores for the kG query heads that share a kv head at once (kh: that head's tile),
+// so that each K vector loaded serves kG fma chains: query head g's q at qd + g * 16 kDV,
+// its scores at dst + g * stride. Lanes go in the tree's pairs, (r, r + 4) for r = 0, 2,
+// then 1, 3: y_r = x_r + x_{r+4}, z = y_0 + y_2 and y_1 + y_3, score = z_0 + z_1, the
+// additions sum8_lanes makes; each x_r = lo_r + hi_r from the same chains as tile_scores.
+template <int64_t kG, int64_t kDV>
+inline void tile_scores_heads(const float* qd, const float* kh, float* dst, int64_t stride, int64_t width) {
+  constexpr int64_t kHalf = sluice::kScoreLanes / 2, kD = sluice::kScoreLanes * kDV;
+  constexpr int64_t kPairs[4] = {0, 2, 1, 3};
+  Vec z[2][kG];
+  for (int64_t pi = 0; pi < 4; ++pi) {
+    const int64_t r0 = kPairs[pi];
+    Vec lo[2][kG], hi[2][kG];
+    for (int64_t e = 0; e < 2; ++e)
+      for (int64_t g = 0; g < kG; ++g) lo[e][g] = hi[e][g] = Vec(0.f);
+    for (int64_t j = 0; j < kDV; ++j) {
+      for (int64_t e = 0; e < 2; ++e) {
+        const int64_t c = sluice::kScoreLanes * j + r0 + 4 * e;
+        const Vec k_lo = Vec::loadu(kh + c * kTile), k_hi = Vec::loadu(kh + (c + kHalf) * kTile);
+        for (int64_t g = 0; g < kG; ++g) {
+          lo[e][g] = at::vec::fmadd(Vec(qd[g * kD + c]), k_lo, lo[e][g]);
+          hi[e][g] = at::vec::fmadd(Vec(qd[g * kD + c + kHalf]), k_hi, hi[e][g]);
+        }
+      }
+    }
+    for (int64_t g = 0; g < kG; ++g) {
+      const Vec y = (lo[0][g] + hi[0][g]) + (lo[1][g] + hi[1][g]);  // x_r + x_{r+4}
+      z[pi / 2][g] = pi % 2 == 0 ? y : z[pi / 2][g] + y;
+    }
+  }
+  for (int64_t g = 0; g < kG; ++g) (z[0][g] + z[1][g]).store(dst + g * stride, std::min<int64_t>(kTile, width));
+}
+#endif
+
 template <typename T, typename KT>
 void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& kv_idx,
                       const at::Tensor& token_req, const at::Tensor& lens, double scale, at::Tensor& out) {
-  constexpr int64_t kVecs = kTile / Vec::size();
   const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
   const int64_t G = Hq / Hkv, max_len = kv_idx.size(1), row = Hkv * D;
   const int64_t dvecs = D / Vec::size();  // D % Vec::size() == 0: checked by the caller
@@ -248,7 +316,8 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
         }
       }
 #endif
-      scores.assign(nq * hgn * span, 0.f);  // scores[(j * hgn + hl) * span + p]
+      // scores[(j * hgn + hl) * span + p], written for every p < the query's length before it is read
+      if (static_cast<int64_t>(scores.size()) < nq * hgn * span) scores.resize(nq * hgn * span);
 
       // Pass 1: scores, one tile of 16 positions at a time: for each (query, head), 16
       // channel-lane vectors over the tile's positions, then attention_span.h's tree.
@@ -262,28 +331,22 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
         }
         for (int64_t j = 0; j < nq; ++j) {
           if (lp[first + j] <= t0) continue;
+#if defined(CPU_CAPABILITY_AVX512)
+          if (D == 64 && G == 3) {
+            for (int64_t h = 0; h < hn; ++h)
+              tile_scores_heads<3, 4>(qf.data() + (j * hgn + h * G) * D, ktile + h * D * kTile,
+                                      scores.data() + (j * hgn + h * G) * span + t0, span, width);
+            continue;
+          }
+#endif
           for (int64_t hl = 0; hl < hgn; ++hl) {
             const float* qd = qf.data() + (j * hgn + hl) * D;
             const float* kh = ktile + (hl / G) * D * kTile;
             float* dst = scores.data() + (j * hgn + hl) * span + t0;
-            for (int64_t v = 0; v < kVecs; ++v) {
-              // Lane r (channels r, r + 16, ... of 16 positions) and lane r + 8 as they finish,
-              // added at once: the tree's first level, with 8 sums live instead of 16.
-              Vec lane[sluice::kScoreLanes / 2];
-              for (int64_t r = 0; r < sluice::kScoreLanes / 2; ++r) {
-                Vec lo(0.f), hi(0.f);
-                for (int64_t c0 = 0; c0 < D; c0 += sluice::kScoreLanes) {
-                  const float* kc = kh + (c0 + r) * kTile + v * Vec::size();
-                  lo = at::vec::fmadd(Vec(qd[c0 + r]), Vec::loadu(kc), lo);
-                  hi = at::vec::fmadd(Vec(qd[c0 + r + 8]), Vec::loadu(kc + 8 * kTile), hi);
-                }
-                lane[r] = lo + hi;
-              }
-              sluice::sum8_lanes(lane);
-              float tile[Vec::size()];
-              lane[0].store(tile);
-              const int64_t p = v * Vec::size();
-              if (p < width) std::copy(tile, tile + std::min<int64_t>(Vec::size(), width - p), dst + p);
+            if (D == 64) {
+              tile_scores<4>(qd, kh, dst, width);
+            } else {
+              tile_scores<0>(qd, kh, dst, width, D / sluice::kScoreLanes);
             }
           }
         }
