@@ -101,6 +101,16 @@ void transpose_rows(const KT* kp, const int64_t* idx, int64_t width, int64_t row
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512)
+// acc + q * k with q, the float at `q`, broadcast by the FMA itself ({1to16}): GCC emits a
+// separate vbroadcastss per FMA for _mm512_set1_ps of a load, and with it reloaded each K
+// vector once per head. The same single rounding as _mm512_fmadd_ps(set1(q), k, acc).
+inline __m512 fma_q(__m512 acc, __m512 k, const float* q) {
+  asm("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(k), "m"(*q));
+  return acc;
+}
+#endif
+
 // The V sums of `heads` query heads over positions [0, len): out[g * dv * W + c] = the fma
 // chain over p, in order, of e[g * span + p] * V_p[off + c] (W = Vec::size()). kH, kDV > 0:
 // counts fixed at compile time, so the sums stay in registers (with runtime counts GCC
@@ -156,37 +166,44 @@ inline void tile_scores(const float* qd, const float* kh, float* dst, int64_t wi
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// tile_scores for the kG query heads that share a kv head at once (kh: that head's tile),
-// so that each K vector loaded serves kG fma chains: query head g's q at qd + g * 16 kDV,
-// its scores at dst + g * stride. Lanes go in the tree's pairs, (r, r + 4) for r = 0, 2,
-// then 1, 3: y_r = x_r + x_{r+4}, z = y_0 + y_2 and y_1 + y_3, score = z_0 + z_1, the
-// additions sum8_lanes makes; each x_r = lo_r + hi_r from the same chains as tile_scores.
-template <int64_t kG, int64_t kDV>
-inline void tile_scores_heads(const float* qd, const float* kh, float* dst, int64_t stride, int64_t width) {
+
+// For lanes R0 and R0 + 4 of the kG heads (query head g's q at qd + g * 16 kDV): y[g] =
+// x_R0 + x_{R0+4}, each x_r = lo_r + hi_r from tile_scores' chains, each K vector loaded
+// once for the kG heads.
+template <int64_t kG, int64_t kDV, int64_t R0>
+inline void tile_pair(const float* qd, const float* kh, __m512* y) {
   constexpr int64_t kHalf = sluice::kScoreLanes / 2, kD = sluice::kScoreLanes * kDV;
-  constexpr int64_t kPairs[4] = {0, 2, 1, 3};
-  Vec z[2][kG];
-  for (int64_t pi = 0; pi < 4; ++pi) {
-    const int64_t r0 = kPairs[pi];
-    Vec lo[2][kG], hi[2][kG];
-    for (int64_t e = 0; e < 2; ++e)
-      for (int64_t g = 0; g < kG; ++g) lo[e][g] = hi[e][g] = Vec(0.f);
-    for (int64_t j = 0; j < kDV; ++j) {
-      for (int64_t e = 0; e < 2; ++e) {
-        const int64_t c = sluice::kScoreLanes * j + r0 + 4 * e;
-        const Vec k_lo = Vec::loadu(kh + c * kTile), k_hi = Vec::loadu(kh + (c + kHalf) * kTile);
-        for (int64_t g = 0; g < kG; ++g) {
-          lo[e][g] = at::vec::fmadd(Vec(qd[g * kD + c]), k_lo, lo[e][g]);
-          hi[e][g] = at::vec::fmadd(Vec(qd[g * kD + c + kHalf]), k_hi, hi[e][g]);
-        }
+  __m512 lo[2][kG], hi[2][kG];
+  for (int64_t e = 0; e < 2; ++e)
+    for (int64_t g = 0; g < kG; ++g) lo[e][g] = hi[e][g] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int64_t j = 0; j < kDV; ++j) {
+    for (int64_t e = 0; e < 2; ++e) {
+      const int64_t c = sluice::kScoreLanes * j + R0 + 4 * e;
+      const __m512 k_lo = _mm512_loadu_ps(kh + c * kTile), k_hi = _mm512_loadu_ps(kh + (c + kHalf) * kTile);
+      for (int64_t g = 0; g < kG; ++g) {
+        lo[e][g] = fma_q(lo[e][g], k_lo, qd + g * kD + c);
+        hi[e][g] = fma_q(hi[e][g], k_hi, qd + g * kD + c + kHalf);
       }
     }
-    for (int64_t g = 0; g < kG; ++g) {
-      const Vec y = (lo[0][g] + hi[0][g]) + (lo[1][g] + hi[1][g]);  // x_r + x_{r+4}
-      z[pi / 2][g] = pi % 2 == 0 ? y : z[pi / 2][g] + y;
-    }
   }
-  for (int64_t g = 0; g < kG; ++g) (z[0][g] + z[1][g]).store(dst + g * stride, std::min<int64_t>(kTile, width));
+  for (int64_t g = 0; g < kG; ++g)
+    y[g] = _mm512_add_ps(_mm512_add_ps(lo[0][g], hi[0][g]), _mm512_add_ps(lo[1][g], hi[1][g]));
+}
+
+// tile_scores for the kG query heads that share a kv head at once (kh: that head's tile),
+// query head g's scores at dst + g * stride. The tree's additions in sum8_lanes' order:
+// y_r = x_r + x_{r+4}, then (y_0 + y_2) + (y_1 + y_3).
+template <int64_t kG, int64_t kDV>
+inline void tile_scores_heads(const float* qd, const float* kh, float* dst, int64_t stride, int64_t width) {
+  __m512 y0[kG], y2[kG], y1[kG], y3[kG];
+  tile_pair<kG, kDV, 0>(qd, kh, y0);
+  tile_pair<kG, kDV, 2>(qd, kh, y2);
+  tile_pair<kG, kDV, 1>(qd, kh, y1);
+  tile_pair<kG, kDV, 3>(qd, kh, y3);
+  const __mmask16 keep = static_cast<__mmask16>(width >= kTile ? 0xFFFF : (1u << width) - 1);
+  for (int64_t g = 0; g < kG; ++g)
+    _mm512_mask_storeu_ps(dst + g * stride, keep, _mm512_add_ps(_mm512_add_ps(y0[g], y2[g]), _mm512_add_ps(y1[g], y3[g])));
 }
 #endif
 
