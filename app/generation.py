@@ -1,7 +1,9 @@
 """GenerationGroup: the engine requests behind one HTTP request (n choices x prompts).
 
-Each choice is one engine stream, pumped by its own task into a shared queue so
-choices interleave as they are produced. Invariants:
+Each choice is one engine stream. Several choices are pumped by a task each into a
+shared queue, so they interleave as they are produced; a lone choice (the common case)
+is read straight from its engine OutputStream, without a pump's task switch, queue and
+generator frames per token. Invariants:
 - `start()` returns only once every choice has produced its first chunk, so an
   engine validation error (raised on first iteration, nothing queued) becomes a
   4xx before any response header is sent.
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from app.errors import APIError, from_invalid_request
+from app.metrics import RequestTimer
 from app.state import AppState, Ticket
 from runtime.errors import InvalidRequest
 from runtime.managers.io_struct import BootstrapInfo, GenerateOutput, MetaInfo, PromptTokenLogprob, TokenLogprob
@@ -30,6 +33,7 @@ from runtime.token_roles import Span, TokenPrompt
 
 if TYPE_CHECKING:
     from runtime import Engine
+    from runtime.engine_requests import OutputStream
 
 log = structlog.get_logger("sluice.app")
 
@@ -126,7 +130,9 @@ class GenerationGroup:
         self._queue: asyncio.Queue[tuple[int, GenerateOutput | _Done | Exception]] = asyncio.Queue()
         self._ready: collections.deque[tuple[int, GenerateOutput]] = collections.deque()
         self._tasks: list[asyncio.Task[None]] = []
-        self._open = len(choices)  # choices whose pump has not ended
+        self._lone: tuple[Engine, RequestTimer] | None = None  # a lone choice, read by _next_item
+        self._lone_stream: OutputStream | None = None  # its request, once submitted
+        self._open = len(choices)  # choices whose stream has not ended
         self._launched = False
         self._closed = False
 
@@ -140,6 +146,10 @@ class GenerationGroup:
         for choice in self.choices:
             self.state.rids.add(choice.rid)
             self.state.not_started += 1
+        if len(self.choices) == 1:  # submitted at its first read (start / run_to_end)
+            self._lone = (engine, self.state.metrics.timer(self._arrival))
+            return
+        for choice in self.choices:
             self._tasks.append(asyncio.create_task(self._pump(engine, choice), name=f"sluice-pump-{choice.rid}"))
 
     async def _pump(self, engine: Engine, choice: Choice) -> None:
@@ -179,10 +189,33 @@ class GenerationGroup:
             choice.started = True
             self.state.not_started -= 1
 
+    async def _next_item(self) -> tuple[int, GenerateOutput | _Done | Exception]:
+        """What a pump would queue next: a chunk, _DONE or the stream's exception. A lone
+        choice's read cancelled mid-wait aborts nothing itself: `close` does, with its why."""
+        if self._lone is None:
+            return await self._queue.get()
+        engine, timer = self._lone
+        try:
+            if self._lone_stream is None:
+                choice = self.choices[0]
+                self._lone_stream = await engine.open_stream(
+                    TokenPrompt(choice.prompt_ids, choice.answer_spans), choice.params, rid=choice.rid,
+                    return_logprob=self._return_logprob, top_logprobs_num=self._top_logprobs_num,
+                    bootstrap=choice.bootstrap, trace=self._trace, logprob_start_len=choice.logprob_start_len,
+                    priority=choice.priority,
+                )  # fmt: skip
+            chunk = await self._lone_stream.next()
+        except Exception as exc:  # noqa: BLE001 - handed to _take, which decides the status
+            return 0, exc
+        if chunk is None:
+            return 0, _DONE
+        timer.on_chunk(chunk)
+        return 0, chunk
+
     async def _take(self) -> tuple[int, GenerateOutput] | None:
         """The next chunk of any choice; None once every choice has ended."""
         while self._open > 0:
-            index, item = await self._queue.get()
+            index, item = await self._next_item()
             choice = self.choices[index]
             if isinstance(item, _Done):
                 self._open -= 1

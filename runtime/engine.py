@@ -58,6 +58,7 @@ class Engine:
         )  # fmt: skip
         # The request API is the room's (runtime/engine_requests.py), called on the engine.
         self.generate, self.async_generate, self.async_generate_stream = room.generate, room.async_generate, room.async_generate_stream
+        self.open_stream = room.open_stream
         self.encode, self.async_encode = room.encode, room.async_encode
         self.abort, self.abort_all, self.self_check_bootstrap = room.abort, room.abort_all, room.self_check_bootstrap
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -40,6 +40,31 @@ Prompt = str | list[int] | TokenPrompt  # a text, token ids, or token ids with e
 Delivery = GenerateOutput | InvalidRequest  # what a request's queue carries to its caller
 
 
+class OutputStream:
+    """One streamed request's delta chunks, read with `next()` by one caller at a time.
+    Unlike `async_generate_stream`'s generator, a `next()` cancelled mid-wait aborts
+    nothing: whoever abandons the stream aborts the request (`Engine.abort(rid, why)`)
+    with its own reason. A caller reads it without a generator frame per chunk."""
+
+    __slots__ = ("rid", "finished", "_queue")
+
+    def __init__(self, rid: str, queue: asyncio.Queue[Delivery]) -> None:
+        self.rid = rid
+        self.finished = False  # the chunk with finish_reason was read
+        self._queue = queue
+
+    async def next(self) -> GenerateOutput | None:
+        """The next chunk; None once the one with finish_reason has been read. Raises the
+        request's InvalidRequest (it never entered the scheduler)."""
+        if self.finished:
+            return None
+        item = await self._queue.get()
+        if isinstance(item, InvalidRequest):
+            raise item
+        self.finished = item["meta_info"]["finish_reason"] is not None
+        return item
+
+
 class RequestRoom:
     """Engine's generate / encode / abort calls over its scheduler. `ensure_started` starts
     the engine's loop once and returns it; `call_on_loop(fn, *args)` runs fn on it."""
@@ -142,19 +167,31 @@ class RequestRoom:
     ) -> AsyncGenerator[GenerateOutput, None]:
         """The output of one prompt as delta chunks (io_struct); the last has finish_reason.
         Closing it early (aclose, break, cancelling the task) aborts the request."""
-        logprobs = LogprobOptions(return_logprob, top_logprobs_num, logprob_start_len)
-        req, queue = await self._submit(prompt, sampling_params, rid, True, logprobs, bootstrap, trace, priority)
-        finished = False
+        stream = await self.open_stream(prompt, sampling_params, rid, return_logprob, top_logprobs_num, bootstrap, trace,
+                                        logprob_start_len, priority)
         try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, InvalidRequest):
-                    raise item
-                finished = item["meta_info"]["finish_reason"] is not None
+            while (item := await stream.next()) is not None:
                 yield item
         finally:
-            if not finished:
-                self.abort(req.rid, why="stream_closed")
+            if not stream.finished:
+                self.abort(stream.rid, why="stream_closed")
+
+    async def open_stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingInput = None,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        bootstrap: BootstrapInfo | None = None,
+        trace: TraceOptions | None = None,
+        logprob_start_len: int = -1,
+        priority: int | None = None,
+    ) -> OutputStream:
+        """`async_generate_stream`'s request, submitted, as an OutputStream (see there)."""
+        logprobs = LogprobOptions(return_logprob, top_logprobs_num, logprob_start_len)
+        req, queue = await self._submit(prompt, sampling_params, rid, True, logprobs, bootstrap, trace, priority)
+        return OutputStream(req.rid, queue)
 
     async def _generate_one(
         self, prompt: Prompt, params: SamplingInput, rid: str | None, return_logprob: bool, top_k: int,

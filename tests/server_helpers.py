@@ -290,6 +290,20 @@ def fake_logprob(token_id: int) -> float:
     return -token_id / 256
 
 
+class FakeOutputStream:
+    """runtime.engine_requests.OutputStream's contract over FakeEngine's chunks."""
+
+    def __init__(self, rid: str, chunks: AsyncGenerator[GenerateOutput, None]) -> None:
+        self.rid, self.finished, self._chunks = rid, False, chunks
+
+    async def next(self) -> GenerateOutput | None:
+        if self.finished:
+            return None
+        item = await anext(self._chunks)
+        self.finished = item["meta_info"]["finish_reason"] is not None
+        return item
+
+
 class FakeEngine:
     """Streams the prompt back one byte per delta chunk, as the engine's contract says
     (logprobs included when asked); `fail` scripts what goes wrong, `calls` records the
@@ -330,6 +344,14 @@ class FakeEngine:
         self.priorities.append(priority)
         self.answer_spans.append(prompt.answer_spans)
         return self._stream(prompt.input_ids, params, rid, return_logprob, top_logprobs_num, logprob_start_len)
+
+    async def open_stream(self, prompt: TokenPrompt, params: SamplingParams, rid: str = "", return_logprob: bool = False,
+                          top_logprobs_num: int = 0, bootstrap: BootstrapInfo | None = None,
+                          trace: TraceOptions | None = None, logprob_start_len: int = -1,
+                          priority: int | None = None) -> FakeOutputStream:
+        """The engine's OutputStream over the same scripted chunks (a lone choice's way)."""
+        return FakeOutputStream(rid, self.async_generate_stream(prompt, params, rid, return_logprob, top_logprobs_num,
+                                                                bootstrap, trace, logprob_start_len, priority))
 
     async def _stream(self, prompt: list[int], params: SamplingParams, rid: str, return_logprob: bool,
                       top_logprobs_num: int, logprob_start_len: int = -1) -> AsyncGenerator[GenerateOutput, None]:
