@@ -134,10 +134,9 @@ void v_sums(const float* e, int64_t span, const float* const* vrows, int64_t off
 // One (query, head)'s scores over a K tile of 16 positions (kh: [D][16], transposed):
 // lane r's fma chain over channel groups j = 0 .. D/16 - 1 of q[16 j + r] * k[16 j + r]
 // (positions across the vector), added to lane r + 8's as both finish (the tree's first
-// level), then the tree's last three levels (sum8_lanes). The chains of kRBlock lanes run
-// side by side: one lane's 2 chains at a time left each FMA waiting on the one before it
-// (a 16 x 128 prefill's pass 1 ran at ~30% of the FMA rate). kDV > 0: D / 16 fixed at
-// compile time. The same operations in the same order per chain: the same bits.
+// level), then the tree's last three levels (sum8_lanes), the chains of kRBlock lanes side
+// by side. kDV > 0: D / 16 fixed at compile time. (AVX2 builds and head groups other than
+// tile_scores_heads' take this; the same operations per chain, so the same bits.)
 template <int64_t kDV>
 inline void tile_scores(const float* qd, const float* kh, float* dst, int64_t width, int64_t dv_ = 0) {
   constexpr int64_t kVecs = kTile / Vec::size();
@@ -166,7 +165,6 @@ inline void tile_scores(const float* qd, const float* kh, float* dst, int64_t wi
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-
 // For lanes R0 and R0 + 4 of the kG heads (query head g's q at qd + g * 16 kDV): y[g] =
 // x_R0 + x_{R0+4}, each x_r = lo_r + hi_r from tile_scores' chains, each K vector loaded
 // once for the kG heads.
@@ -349,10 +347,11 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
         for (int64_t j = 0; j < nq; ++j) {
           if (lp[first + j] <= t0) continue;
 #if defined(CPU_CAPABILITY_AVX512)
-          if (D == 64 && G == 3) {
+          if (D == 64 && (G == 3 || G == 4)) {  // SmolLM2, Llama 3.2 1B
+            const auto heads = G == 3 ? tile_scores_heads<3, 4> : tile_scores_heads<4, 4>;
             for (int64_t h = 0; h < hn; ++h)
-              tile_scores_heads<3, 4>(qf.data() + (j * hgn + h * G) * D, ktile + h * D * kTile,
-                                      scores.data() + (j * hgn + h * G) * span + t0, span, width);
+              heads(qf.data() + (j * hgn + h * G) * D, ktile + h * D * kTile, scores.data() + (j * hgn + h * G) * span + t0,
+                    span, width);
             continue;
           }
 #endif
