@@ -5,7 +5,8 @@ from __future__ import annotations
 import httpx
 import orjson
 import pytest
-from server_helpers import MODEL, FakeEngine, client, engine, shared_server, state  # noqa: F401 - fixtures
+from fake_engine import FakeEngine, client, engine, state  # noqa: F401 - fixtures
+from server_helpers import MODEL, shared_server
 
 
 async def test_x_request_id_names_the_request_and_is_echoed(engine: FakeEngine, client: httpx.AsyncClient) -> None:

@@ -11,7 +11,8 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from server_helpers import FakeEngine, assert_error_envelope, client, engine, state  # noqa: F401 - the fixtures
+from fake_engine import FakeEngine, client, engine, state  # noqa: F401 - the fixtures
+from server_helpers import assert_error_envelope
 
 from app.routes_embeddings import _encoded
 from runtime.errors import InvalidRequest

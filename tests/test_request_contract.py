@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from server_helpers import FakeEngine, client, engine, fake_logprob, state  # noqa: F401 - the fixtures
+from fake_engine import FakeEngine, client, engine, fake_logprob, state  # noqa: F401 - the fixtures
 
 from app.native_protocol import SamplingParamsBody
 from app.openapi import openapi_document

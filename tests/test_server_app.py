@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_helpers import FakeEngine, client, engine, state  # noqa: F401 - the fixtures
+from fake_engine import FakeEngine, client, engine, state  # noqa: F401 - the fixtures
 
 from app.state import AppState, Phase
 

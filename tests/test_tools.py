@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from server_helpers import FakeEngine, client, engine, sse_payloads, state  # noqa: F401 - fixtures
+from fake_engine import FakeEngine, client, engine, state  # noqa: F401 - fixtures
+from server_helpers import sse_payloads
 
 from app.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 from app.tools import ToolPlan, parse_llama3, parse_qwen
