@@ -134,29 +134,21 @@ void v_sums(const float* e, int64_t span, const float* const* vrows, int64_t off
 // One (query, head)'s scores over a K tile of 16 positions (kh: [D][16], transposed):
 // lane r's fma chain over channel groups j = 0 .. D/16 - 1 of q[16 j + r] * k[16 j + r]
 // (positions across the vector), added to lane r + 8's as both finish (the tree's first
-// level), then the tree's last three levels (sum8_lanes), the chains of kRBlock lanes side
-// by side. kDV > 0: D / 16 fixed at compile time. (AVX2 builds and head groups other than
-// tile_scores_heads' take this; the same operations per chain, so the same bits.)
-template <int64_t kDV>
-inline void tile_scores(const float* qd, const float* kh, float* dst, int64_t width, int64_t dv_ = 0) {
+// level, 8 sums live instead of 16), then the tree's last three levels (sum8_lanes). AVX2
+// builds and head groups other than tile_scores_heads' take this.
+inline void tile_scores(const float* qd, const float* kh, float* dst, int64_t width, int64_t D) {
   constexpr int64_t kVecs = kTile / Vec::size();
   constexpr int64_t kHalf = sluice::kScoreLanes / 2;
-  constexpr int64_t kRBlock = Vec::size() == 16 ? kHalf : kHalf / 2;  // 2 kRBlock sums in registers
-  const int64_t dv = kDV > 0 ? kDV : dv_;
   for (int64_t v = 0; v < kVecs; ++v) {
     Vec lane[kHalf];
-    for (int64_t r0 = 0; r0 < kHalf; r0 += kRBlock) {
-      Vec lo[kRBlock], hi[kRBlock];
-      for (int64_t r = 0; r < kRBlock; ++r) lo[r] = hi[r] = Vec(0.f);
-      for (int64_t j = 0; j < dv; ++j) {
-        for (int64_t r = 0; r < kRBlock; ++r) {
-          const int64_t c = sluice::kScoreLanes * j + r0 + r;
-          const float* kc = kh + c * kTile + v * Vec::size();
-          lo[r] = at::vec::fmadd(Vec(qd[c]), Vec::loadu(kc), lo[r]);
-          hi[r] = at::vec::fmadd(Vec(qd[c + kHalf]), Vec::loadu(kc + kHalf * kTile), hi[r]);
-        }
+    for (int64_t r = 0; r < kHalf; ++r) {
+      Vec lo(0.f), hi(0.f);
+      for (int64_t c0 = 0; c0 < D; c0 += sluice::kScoreLanes) {
+        const float* kc = kh + (c0 + r) * kTile + v * Vec::size();
+        lo = at::vec::fmadd(Vec(qd[c0 + r]), Vec::loadu(kc), lo);
+        hi = at::vec::fmadd(Vec(qd[c0 + r + kHalf]), Vec::loadu(kc + kHalf * kTile), hi);
       }
-      for (int64_t r = 0; r < kRBlock; ++r) lane[r0 + r] = lo[r] + hi[r];
+      lane[r] = lo + hi;
     }
     sluice::sum8_lanes(lane);
     const int64_t p = v * Vec::size();  // (a masked store: std::copy of a few floats became `rep movs`)
@@ -359,11 +351,7 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
             const float* qd = qf.data() + (j * hgn + hl) * D;
             const float* kh = ktile + (hl / G) * D * kTile;
             float* dst = scores.data() + (j * hgn + hl) * span + t0;
-            if (D == 64) {
-              tile_scores<4>(qd, kh, dst, width);
-            } else {
-              tile_scores<0>(qd, kh, dst, width, D / sluice::kScoreLanes);
-            }
+            tile_scores(qd, kh, dst, width, D);
           }
         }
       }
