@@ -281,6 +281,11 @@ def test_prompt_rows_follow_token_roles_and_reach_every_rank() -> None:
     rows = PromptRows.of([3, 12, 0], [5, 1, 2], [(5,), (8,), (4,)])
     assert rows is not None and rows.dense is not None and rows.rest is not None
     assert rows.dense.tolist() == [0, 1, 6, 7] and rows.rest.tolist() == [2, 3, 4, 5]
+    # The rows an extend's last layer keeps (each request's last token) keep their roles.
+    last = rows.select(torch.tensor([4, 5, 7]))
+    assert last is not None and last.dense is not None and last.rest is not None
+    assert last.dense.tolist() == [2] and last.rest.tolist() == [0, 1]
+    assert rows.select(torch.tensor([0, 6])) == PromptRows(None, None) and rows.select(torch.tensor([3, 5])) is None
     # A chat prompt of 12 whose tokens 2-4 and 7-8 are earlier answers, from position 1,
     # then its first output; and a span ending where the prompt does.
     chat = role_switches(12, [(2, 5), (7, 9)])

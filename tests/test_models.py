@@ -186,6 +186,36 @@ def test_dummy_weights_build_in_target_dtype_and_run(arch: str, tmp_path: Path) 
     assert all(torch.isfinite(x).all() and x.shape[-1] == 128 for x in logits)
 
 
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_an_extends_last_layer_runs_only_the_rows_whose_states_it_returns(arch: str, tmp_path: Path) -> None:
+    """An extend needs the final hidden states of its requests' last tokens only
+    (ModelRunner.forward_logits passes them as `out_rows`): the last layer runs o_proj and
+    the MLP on those rows alone, they come out as the whole batch's would, and every row's
+    K and V are written all the same."""
+    from bench.paged_rounds import PagedRequests
+
+    tiny_configs()[arch].save_pretrained(tmp_path)
+    config = ModelConfig.from_pretrained(tmp_path, torch.float32)
+    model = load_model(tmp_path, config, "dummy", "cpu", seed=3)
+    mlp_rows: list[int] = []
+    model.model.layers[-1].mlp.register_forward_pre_hook(lambda _m, args: mlp_rows.append(args[0].shape[0]))
+    gen = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (10, 9, 6)]
+    full, pruned = PagedRequests(config, 3, 16), PagedRequests(config, 3, 16)
+    # an extend of two prompts, then a decode beside a prompt's second chunk and a new prompt
+    for chunk in ({0: seqs[0][:9], 1: seqs[1][:5]}, {0: seqs[0][9:], 1: seqs[1][5:], 2: seqs[2]}):
+        fb_full, fb_pruned = full.batch(chunk), pruned.batch(chunk)
+        rows = torch.cumsum(fb_full.extend_seq_lens, 0) - 1
+        with torch.no_grad():
+            want = model(fb_full.input_ids, fb_full.positions, fb_full)[rows]
+            mlp_rows.clear()
+            got = model(fb_pruned.input_ids, fb_pruned.positions, fb_pruned, rows)
+        assert mlp_rows == [len(chunk)] and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(full.pool.k_buffer + full.pool.v_buffer, pruned.pool.k_buffer + pruned.pool.v_buffer):
+        assert torch.equal(a, b)
+
+
 # --- small pieces ------------------------------------------------------------------------
 
 

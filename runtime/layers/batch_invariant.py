@@ -95,6 +95,21 @@ class PromptRows:
         order = torch.tensor(dense + rest)
         return PromptRows(order, torch.argsort(order), len(dense))
 
+    def select(self, rows: torch.Tensor) -> PromptRows | None:
+        """These roles for a forward of just rows `rows` (packed indices) of this one."""
+        if self.order is None:  # every row is given text
+            return self
+        given = torch.zeros(self.order.numel(), dtype=torch.bool, device=self.order.device)
+        given[self.order[: self.given]] = True
+        kept = given[rows.to(given.device)]
+        dense, rest = torch.nonzero(kept).flatten(), torch.nonzero(~kept).flatten()
+        if not dense.numel():
+            return None
+        if not rest.numel():
+            return PromptRows(None, None)
+        order = torch.cat([dense, rest])
+        return PromptRows(order, torch.argsort(order), int(dense.numel()))
+
 
 _PROMPT_ROWS: ContextVar[PromptRows | None] = ContextVar("sluice_prompt_rows", default=None)
 
@@ -112,3 +127,9 @@ def forward_prompt_rows(rows: PromptRows | None) -> Iterator[None]:
 def prompt_rows() -> PromptRows | None:
     """The current forward's prompt rows (deterministic inference), or None: none."""
     return _PROMPT_ROWS.get()
+
+
+def select_prompt_rows(rows: torch.Tensor) -> PromptRows | None:
+    """The current forward's prompt rows as those of a forward of rows `rows` only."""
+    current = _PROMPT_ROWS.get()
+    return None if current is None else current.select(rows)

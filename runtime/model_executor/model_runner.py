@@ -167,15 +167,16 @@ class ModelRunner:
     def forward_logits(self, fb: ForwardBatch) -> torch.Tensor:
         if self.graph_runner is not None and self._uses_graph(fb):
             return self.graph_runner.replay(fb)
+        # An extend needs the final hidden states of its requests' last tokens only (and of
+        # the rows it scores for prompt logprobs): the model's last layer runs just those.
+        last_rows = None if fb.forward_mode.is_decode() else torch.cumsum(fb.extend_seq_lens, 0) - 1
+        scored = last_rows is not None and fb.prompt_logprob_rows is not None
         with forward_prompt_rows(fb.prompt_rows):
-            hidden = self.model(fb.input_ids, fb.positions, fb)
-        if fb.forward_mode.is_decode():
-            last = hidden
-        else:
-            last = hidden[torch.cumsum(fb.extend_seq_lens, 0) - 1]
-            if fb.prompt_logprob_rows is not None:
-                fb.prompt_hidden = hidden[fb.prompt_logprob_rows]
-        return self.model.compute_logits(last)
+            hidden = self.model(fb.input_ids, fb.positions, fb, None if scored else last_rows)
+        if scored:
+            fb.prompt_hidden = hidden[fb.prompt_logprob_rows]
+            hidden = hidden[last_rows]
+        return self.model.compute_logits(hidden)
 
     @contextlib.contextmanager
     def _tp_step(self) -> Iterator[None]:

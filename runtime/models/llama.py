@@ -21,6 +21,7 @@ from torch import nn
 from kernels.attention.base import AttentionBatch
 from runtime.layers.activation import SiluAndMulMLP
 from runtime.layers.attention import RadixAttention
+from runtime.layers.batch_invariant import forward_prompt_rows, select_prompt_rows
 from runtime.layers.layernorm import RMSNorm
 from runtime.layers.linear import QKVParallelLinear, RowParallelLinear
 from runtime.layers.logits_processor import LogitsProcessor
@@ -62,6 +63,10 @@ class LlamaAttention(nn.Module):
         self.ops: CpuOps | None = None  # set by runtime.models.cpu_path.bind_cpu_ops
 
     def forward(self, h: torch.Tensor, rope: RopeInputs, fb: AttentionBatch) -> torch.Tensor:
+        return self.o_proj(self.attend(h, rope, fb))
+
+    def attend(self, h: torch.Tensor, rope: RopeInputs, fb: AttentionBatch) -> torch.Tensor:
+        """Everything before o_proj: `[T, q_size]` (the K and V of every row are written)."""
         t = h.shape[0]
         qkv = self.qkv_proj(h)
         fused_rope = self.ops is not None and self.q_norm is None  # Qwen3 norms q, k first
@@ -76,8 +81,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if not fused_rope:
             q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
-        o = self.attn(q, k, v, fb)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.attn(q, k, v, fb).reshape(t, self.q_size)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,7 +93,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs, fb: AttentionBatch
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RopeInputs,
+        fb: AttentionBatch,
+        out_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # On entry `h` is the previous layer's MLP output not yet added to `residual`
         # (None before the first layer, where `h` is the embedding).
@@ -98,9 +107,17 @@ class LlamaDecoderLayer(nn.Module):
             h = self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, rope, fb)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        if out_rows is None:
+            h = self.self_attn(h, rope, fb)
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self.mlp(h), residual
+        # Only `out_rows` go on past the attention (whose K and V cover every row): each row
+        # of o_proj and the MLP is independent of the others, so they get the values the
+        # whole batch would give them (row-invariant kernels: the same bits).
+        o = self.self_attn.attend(h, rope, fb).index_select(0, out_rows)
+        with forward_prompt_rows(select_prompt_rows(out_rows)):
+            h, residual = self.post_attention_layernorm(self.self_attn.o_proj(o), residual.index_select(0, out_rows))
+            return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -114,16 +131,23 @@ class LlamaModel(nn.Module):
         # it does not take; set by runtime.models.cpu_path.bind_cpu_ops.
         self.decode_stack: Callable[[torch.Tensor, torch.Tensor, AttentionBatch], torch.Tensor | None] | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: AttentionBatch) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: AttentionBatch, out_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The final hidden states of every row, or of rows `out_rows` only (`[len(out_rows),
+        hidden]`): then the last layer runs o_proj and the MLP on those rows alone, as
+        llama.cpp's graph does for the rows whose logits it needs (a prefill's last tokens)."""
         h = self.embed_tokens(input_ids)
         if self.decode_stack is not None and (out := self.decode_stack(h, positions, fb)) is not None:
-            return out
+            return out if out_rows is None else out.index_select(0, out_rows)
         rope = self.rotary_emb(positions)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            h, residual = layer(h, residual, rope, fb)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, rope, fb, out_rows if i == last else None)
         if residual is None:  # zero layers
-            return self.norm(h)
+            h = self.norm(h)
+            return h if out_rows is None else h.index_select(0, out_rows)
         h, _ = self.norm(h, residual)
         return h
 
@@ -161,8 +185,10 @@ class LlamaForCausalLM(nn.Module):
         )
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: AttentionBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, fb)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: AttentionBatch, out_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, fb, out_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits_processor(hidden, self.lm_head)
