@@ -13,6 +13,7 @@ slice of the MLP intermediate and of the vocab; each decoder layer all-reduces t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -107,16 +108,16 @@ class LlamaDecoderLayer(nn.Module):
             h = self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        if out_rows is None:
-            h = self.self_attn(h, rope, fb)
-            h, residual = self.post_attention_layernorm(h, residual)
-            return self.mlp(h), residual
-        # Only `out_rows` go on past the attention (whose K and V cover every row): each row
-        # of o_proj and the MLP is independent of the others, so they get the values the
-        # whole batch would give them (row-invariant kernels: the same bits).
-        o = self.self_attn.attend(h, rope, fb).index_select(0, out_rows)
-        with forward_prompt_rows(select_prompt_rows(out_rows)):
-            h, residual = self.post_attention_layernorm(self.self_attn.o_proj(o), residual.index_select(0, out_rows))
+        o = self.self_attn.attend(h, rope, fb)
+        roles: AbstractContextManager[None] = nullcontext()
+        if out_rows is not None:
+            # Only `out_rows` go on past the attention (whose K and V cover every row): each
+            # row of o_proj and the MLP is independent of the others, so they get the values
+            # the whole batch would give them (row-invariant kernels: the same bits).
+            o, residual = o.index_select(0, out_rows), residual.index_select(0, out_rows)
+            roles = forward_prompt_rows(select_prompt_rows(out_rows))
+        with roles:
+            h, residual = self.post_attention_layernorm(self.self_attn.o_proj(o), residual)
             return self.mlp(h), residual
 
 
