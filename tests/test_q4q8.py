@@ -79,6 +79,39 @@ def test_kernel_is_the_fixed_point_product_with_the_blocks(cpu_ops: CpuOps, M: i
     assert ((y.double() - x.double() @ w.T).abs().max() / ref.abs().max()).item() < 3e-4
 
 
+@pytest.mark.parametrize(("M", "K"), [(1, 32), (5, 576), (16, 1536), (9, 32 * 37)])
+def test_every_activation_column_and_group_sum_reaches_the_output_exactly(cpu_ops: CpuOps, M: int, K: int) -> None:
+    """The rounding pinned bit for bit: output n reads column n alone (code 1, d = 1, m = 0),
+    so it is float32(u * (256 a + b)) of that column; output K + g reads group g's sum alone
+    (d = 0, m = 1), float32(u * sum(256 a + b)). Groups whose 32 columns hold zeros, an
+    outlier, values far apart in magnitude and ties of the rounding all appear."""
+    torch.manual_seed(K + M)
+    x = torch.randn(M, K) * torch.logspace(-3, 3, M)[:, None]
+    x[:, 3] *= 40
+    x[0, 32:64] = 0.0  # an all-zero group (where there is one)
+    # a group whose scale is 1 (max 127): ties of a (x.5) and of b (256 (t - a) = k.5), to even
+    x[-1, :32] = 0.0
+    x[-1, :9] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1 + 3 / 512, -5 - 7 / 512, 100 + 1 / 512, -(1 / 512)])
+    G = K // 32
+    n = (K + G + 15) // 16 * 16
+    q = torch.zeros(n, K, dtype=torch.uint8)
+    q[torch.arange(K), torch.arange(K)] = 1
+    d = torch.zeros(n, G, dtype=torch.float16)
+    d[:K] = 1.0
+    m = torch.zeros(n, G, dtype=torch.float16)
+    m[K + torch.arange(G), torch.arange(G)] = 1.0
+    y = cpu_ops.q4_linear(x, pack_q4(q, d, m))
+    blocks = x.view(M, G, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # (127 / amax as a division: torch's `127 / tensor` multiplies by a reciprocal)
+    t = blocks * torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+    a = torch.round(t)
+    b = torch.round(256 * (t - a)).clamp(max=127)
+    u = amax / 127 / 256  # float32, as the kernel's
+    assert torch.equal(y[:, :K], ((256 * a + b) * u).view(M, K))
+    assert torch.equal(y[:, K : K + G], u[..., 0] * (256 * a + b).sum(-1))
+
+
 def test_a_row_gets_the_same_bits_alone_and_anywhere_in_any_batch(cpu_ops: CpuOps) -> None:
     torch.manual_seed(0)
     records = pack_q4(*random_blocks(576, 576))
