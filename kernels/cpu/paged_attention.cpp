@@ -21,9 +21,9 @@
 // does not split the same bits too).
 //
 // Work items are blocks of up to kQueries consecutive queries of one request (a
-// decode step: one query per block), each with all kv heads, or, where there are fewer
-// blocks than threads (a lone sequence's decode), each kv head of a block on its own:
-// the per-query arithmetic is the same either way, only which thread does it changes.
+// decode step: one query per block), each with all kv heads, or each kv head of a block on
+// its own in a decode step and where there are fewer blocks than threads: the per-query
+// arithmetic is the same either way, only which thread does it changes.
 // A block of one query (AVX-512 or AVX2) reads its K and V rows in place (attend_span). A longer
 // block goes in tiles of 16 positions: the tile's K rows (the item's kv heads) are
 // widened and transposed once ([heads][D][16]) and serve every query and head of the
@@ -222,9 +222,12 @@ void attention_kernel(const at::Tensor& q, const at::Tensor& k_buf, const at::Te
   // Block order 0, last, 1, last-1, ...: each thread's contiguous range then mixes an
   // extend's short (early) and long (late) queries.
   auto order = [blocks](int64_t b) { return (b % 2 == 0) ? b / 2 : blocks - 1 - b / 2; };
-  // kv heads an item takes: all of them (more (query, head) fma chains in flight) unless
-  // that would leave threads idle.
-  const int64_t hn = blocks < sluice::SpinPool::get().threads() ? 1 : Hkv, hgn = hn * G;
+  // kv heads an item takes: all of them (more (query, head) fma chains in flight), but one
+  // where that would leave threads idle, and in a decode step (every block one query, each
+  // kv head its own attend_span pass anyway): three times the items to share between the
+  // threads, each prefetching the next's rows for one head (a 16-row SmolLM2 step -1.5 to
+  // -1.8%, in-process A/B on a Zen 4; bench/RESULTS.md item 44).
+  const int64_t hn = blocks < sluice::SpinPool::get().threads() || blocks == n ? 1 : Hkv, hgn = hn * G;
 
   // A request read by several blocks (an extend of more than kQueries tokens) has its
   // K tiles transposed once, up front, into `shared`; others transpose as they go.
