@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kernels.cpu import CpuOps
+
+
 def main() -> None:
     import torch
     from transformers import AutoTokenizer
